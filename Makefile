@@ -1,0 +1,74 @@
+# Distributed PyTorch, Step by Step: the learner's entry point. `make` (or `make help`) lists everything.
+#
+#   make lesson-01                  set up .venv on first use, then run lesson 01
+#   make lesson-05 ARGS="--world-size 3"   pass flags through to the lesson
+#   make lesson-05 STEP=1           pause after each step (same as ARGS=--step)
+#   make test                       the whole test suite
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+LESSON_FILES := $(sort $(wildcard lessons/[0-9][0-9]_*.py))
+LESSON_NUMS := $(foreach f,$(LESSON_FILES),$(shell basename $(f) | cut -c1-2))
+STEP_FLAG := $(if $(filter-out 0,$(STEP)),--step)
+
+# Lessons that need a launcher run through it; the rest run under plain python.
+RUN_06 := -m common.nodes --nnodes 2 --nproc-per-node 2 --
+RUN_07 := -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
+
+.PHONY: help venv lessons test clean distclean docs-output
+
+help:
+	@echo "Distributed PyTorch, Step by Step"
+	@echo
+	@echo "Lessons (make lesson-NN [ARGS=\"--flag value\"] [STEP=1]):"
+	@for f in $(LESSON_FILES); do \
+		n=$$(basename $$f | cut -c1-2); \
+		t=$$(sed -n '1s/^"""Lesson [0-9]*: //p' $$f); \
+		printf "  make lesson-%s   %s\n" "$$n" "$$t"; \
+	done
+	@echo
+	@echo "Other targets:"
+	@echo "  make lessons     run every lesson in order, with its defaults"
+	@echo "  make test       run the test suite (pytest, CPU only, a few minutes)"
+	@echo "  make docs-output  rerun the commands whose output the docs show (DOCS=docs/01_*.md)"
+	@echo "  make venv       create .venv and install requirements.txt (done automatically)"
+	@echo "  make clean      delete runs/ and caches (keeps .venv)"
+	@echo "  make distclean  clean, and delete .venv too"
+
+# The virtual environment: created on first use, re-installed when requirements.txt changes.
+$(STAMP): requirements.txt
+	@echo "Setting up $(VENV) (first run only: installs torch, about a minute)..."
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt 2> >(grep -v "^WARNING: Location" >&2)
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+lesson-%:
+	@f=$$(ls lessons/$*_*.py 2>/dev/null | head -n 1); \
+	if [ -z "$$f" ]; then \
+		echo "error: there is no lesson '$*'; the lessons are: $(LESSON_NUMS) (e.g. make lesson-01)" >&2; \
+		exit 2; \
+	fi; \
+	{ [ $(STAMP) -nt requirements.txt ] || $(MAKE) --no-print-directory $(STAMP); } && \
+	$(PY) $(RUN_$*) $$f $(STEP_FLAG) $(ARGS)
+
+lessons: $(STAMP)
+	@set -e; for n in $(LESSON_NUMS); do $(MAKE) --no-print-directory lesson-$$n; done
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf runs .pytest_cache
+	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)
+
+docs-output: $(STAMP)  ## regenerate the real output pasted into docs/*.md
+	$(PY) tools/doc_output.py $(DOCS)

@@ -1,0 +1,116 @@
+"""Flags shared by every lesson, and errors a learner can act on.
+
+argparse normally answers a bad flag with a usage block and a traceback-free error; we
+shorten that to one line that names the problem and the fix, and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print one line to stderr and exit: for mistakes the learner can fix."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+class LessonParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # called by argparse on a bad flag
+        fail(f"{message} (run with --help to see every flag)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 0 or more, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 0 or more, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number between 1024 and 65535, got {text!r}")
+    if not 1024 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number between 1024 and 65535, got {text!r}")
+    return value
+
+
+def lesson_parser(doc: str | None, *, recipe: bool = True, distributed: bool = False,
+                  world_size: int | None = None) -> LessonParser:
+    """The flags every lesson shares, with the same names everywhere.
+
+    recipe:      --epochs/--seed/--dataset flags of the shared training recipe
+    distributed: --timeout and --master-port for lessons that start a process group
+    world_size:  add --world-size with this default
+    """
+    from common import recipe as r  # late import keeps `--help` fast
+
+    first_line = (doc or "").strip().splitlines()[0] if doc else None
+    parser = LessonParser(description=first_line,
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to compute: auto picks cuda when available, else cpu")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for final.pt and metrics.json (default: runs/lesson-NN)")
+    parser.add_argument("--step", action="store_true",
+                        help="pause after each step until Enter (only when stdin is a terminal)")
+    if recipe:
+        parser.add_argument("--epochs", type=positive_int, default=r.EPOCHS,
+                            help="passes over the training set")
+        parser.add_argument("--seed", type=nonnegative_int, default=r.SEED,
+                            help="seed for the initial weights and the sample order")
+        parser.add_argument("--dataset", choices=["synthetic", "mnist", "cifar10"],
+                            default="synthetic",
+                            help="synthetic needs no download; mnist/cifar10 read --data-dir")
+        parser.add_argument("--data-dir", type=Path, default=ROOT / "data",
+                            help="where mnist/cifar10 files live (or are downloaded to)")
+        parser.add_argument("--download", action="store_true",
+                            help="download mnist/cifar10 into --data-dir if missing")
+    if world_size is not None:
+        parser.add_argument("--world-size", type=positive_int, default=world_size,
+                            help="how many processes (ranks) to start")
+    if distributed:
+        parser.add_argument("--timeout", type=positive_float, default=60.0,
+                            help="seconds a collective may wait before the job fails")
+        parser.add_argument("--master-port", type=port_number, default=None,
+                            help="TCP port of the rendezvous store (default: a free one)")
+    return parser
+
+
+def run(main) -> None:
+    """Run a lesson's main(); Ctrl-C ends it with one line instead of a traceback."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted (Ctrl-C): nothing was saved for this run\n")
+        raise SystemExit(130)

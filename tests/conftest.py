@@ -1,0 +1,68 @@
+"""Shared helpers: run a lesson as a learner would (a subprocess with a timeout)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common import recipe  # noqa: E402
+
+
+def lesson_path(number: str) -> Path:
+    matches = sorted((ROOT / "lessons").glob(f"{number}_*.py"))
+    assert matches, f"no lesson {number}"
+    return matches[0]
+
+
+def run(cmd: list[str], timeout: float = 120, env: dict | None = None,
+        check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    """Run a command from the repository root; fail the test (not hang) after `timeout` s."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=full_env, stdin=subprocess.DEVNULL, **kwargs)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
+                    f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def run_lesson(number: str, *args, timeout: float = 120, check: bool = True,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    return run([sys.executable, str(lesson_path(number)), *map(str, args)],
+               timeout=timeout, check=check, env=env)
+
+
+def load_run(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """final.pt (loaded the safe way) and metrics.json of one lesson run."""
+    state = torch.load(Path(folder) / "final.pt", weights_only=True)
+    metrics = json.loads((Path(folder) / "metrics.json").read_text())
+    return state, metrics
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """Assert the process failed the way a learner deserves: non-zero, one line, no traceback."""
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = [line for line in proc.stderr.splitlines()
+             if line.strip() and not line.startswith("make")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="session")
+def reference_3_epochs() -> dict[str, torch.Tensor]:
+    """The single-device answer for the default recipe (seed 0, 3 epochs)."""
+    return recipe.train_reference(seed=recipe.SEED, epochs=recipe.EPOCHS)

@@ -1,0 +1,44 @@
+"""Every lesson has its doc, and the doc's step headings are the code's steps."""
+import re
+
+import pytest
+
+from conftest import ROOT
+
+LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
+
+
+def code_steps(path):
+    return re.findall(r"^\s*# Step (\d+): (.+?)\s*$", path.read_text(), re.M)
+
+
+def doc_steps(path):
+    return re.findall(r"^## Step (\d+): (.+?)\s*$", path.read_text(), re.M)
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_doc_exists_and_steps_match(lesson):
+    doc = ROOT / "docs" / f"{lesson.stem}.md"
+    assert doc.exists(), f"{lesson.name} has no docs/{lesson.stem}.md"
+    steps = code_steps(lesson)
+    assert steps, f"{lesson.name} marks no '# Step N: title'"
+    assert [int(n) for n, _ in steps] == list(range(1, len(steps) + 1))
+    assert doc_steps(doc) == steps
+    # and the code prints the same headings at run time
+    for n, title in steps:
+        assert f'step({n}, "{title}")' in lesson.read_text(), f"step {n} is not printed as '{title}'"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_docstring_names_its_doc_and_make_target(lesson):
+    text = lesson.read_text()
+    assert text.startswith('"""Lesson ' + lesson.name[:2] + ":")
+    assert f"docs/{lesson.stem}.md" in text
+    assert f"make lesson-{lesson.name[:2]}" in text
+
+
+def test_readme_gives_the_two_commands_and_every_lesson():
+    readme = (ROOT / "README.md").read_text()
+    assert "make lesson-01" in readme and "make test" in readme
+    for lesson in LESSONS:
+        assert f"lessons/{lesson.name}" in readme or f"| {lesson.name[:2]} " in readme
