@@ -72,3 +72,11 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     if a.keys() != b.keys():
         raise KeyError(f"different keys: {sorted(a.keys() ^ b.keys())}")
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def shown(path: Path) -> str:
+    """A path as the learner typed it: relative to the current folder when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from common import recipe
 from common.cli import lesson_parser, run
 from common.device import pick_device
-from common.results import make_metrics, out_dir, plain_state_dict, save_results
+from common.results import make_metrics, out_dir, plain_state_dict, save_results, shown
 from common.ui import UI, Timer
 
 
@@ -107,7 +107,7 @@ def main() -> None:
         lesson="01", world_size=1, backend="none", device=str(device), losses=losses,
         final_accuracy=final_accuracy, wall_seconds=wall, samples=samples,
         epochs=args.epochs, seed=args.seed, dataset=data.name, global_batch=recipe.GLOBAL_BATCH))
-    ui.print(f"wrote {folder / 'final.pt'} and {folder / 'metrics.json'} "
+    ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} samples/s over {wall:.2f}s)")
 
 
