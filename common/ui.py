@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -40,7 +41,7 @@ class UI:
     def say_all(self, message: str) -> None:
         """Every rank prints, prefixed with its rank, e.g. `[rank 1] my batch is ...`."""
         prefix = f"[rank {self.rank}] " if self.world_size > 1 else ""
-        self.console.print(f"[cyan]{prefix}[/cyan]{message}")
+        self.console.print(f"[cyan]{escape(prefix)}[/cyan]{message}")
 
     def title(self, text: str) -> None:
         self.print(f"\n[bold]{text}[/bold]")

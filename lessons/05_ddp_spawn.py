@@ -1,0 +1,243 @@
+"""Lesson 05: DistributedDataParallel, one process per device, started with mp.spawn.
+
+New since lesson 01: several processes train one model together. Each process (a *rank*)
+holds a full copy of the model, reads its own slice of every global batch through
+DistributedSampler, and DDP averages the gradients across ranks during backward, so all
+copies take the same optimizer step. The result: the same weights as lesson 01, computed
+by N processes. This lesson proves that with numbers, and writes every API out in full.
+
+Run:
+    make lesson-05                          # 2 ranks: CPU + gloo here, GPUs + NCCL if you have 2
+    make lesson-05 ARGS="--world-size 3"
+    python lessons/05_ddp_spawn.py --world-size 4 --epochs 3
+
+Doc: docs/05_ddp_spawn.md
+"""
+import datetime
+import gc
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import recipe
+from common.cli import fail, lesson_parser, nonnegative_int, run
+from common.device import backend_for, plan_device, rank_device, share_cpu
+from common.distributed import WORLD_COLUMNS, choose_port, world_rows
+from common.results import make_metrics, max_abs_diff, out_dir, save_results, shown
+from common.ui import UI, Timer
+
+MAX_WORLD = 16  # more ranks than this on one machine teaches nothing but waiting
+
+
+def parse_args():
+    parser = lesson_parser(__doc__, distributed=True, world_size=2)
+    parser.add_argument("--crash-rank", type=nonnegative_int, default=None,
+                        help="make this rank raise an error during training (to see what happens)")
+    parser.add_argument("--crash-at-step", type=nonnegative_int, default=5,
+                        help="the training step at which --crash-rank fails")
+    args = parser.parse_args()
+    n = args.world_size
+    if n > MAX_WORLD:
+        fail(f"--world-size {n} is more processes than make sense on one machine; use {MAX_WORLD} or fewer")
+    if recipe.GLOBAL_BATCH % n:
+        ok = [d for d in range(1, MAX_WORLD + 1) if recipe.GLOBAL_BATCH % d == 0]
+        fail(f"--world-size {n} does not divide the global batch of {recipe.GLOBAL_BATCH} "
+             f"samples into equal per-rank batches; use one of {', '.join(map(str, ok))}")
+    if args.crash_rank is not None and args.crash_rank >= n:
+        fail(f"--crash-rank {args.crash_rank} does not exist in a world of {n} (ranks 0..{n - 1})")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    ui = UI(step_mode=args.step)
+    ui.title(f"Lesson 05: DDP on {args.world_size} processes, started by mp.spawn")
+
+    # Step 1: Start one process per rank with mp.spawn
+    # One process per device is DDP's rule: with 2 GPUs, 2 processes each own one GPU; on a
+    # CPU-only machine the processes share the cores and talk over gloo. MASTER_ADDR and
+    # MASTER_PORT tell every process where rank 0 hosts the rendezvous *store*, a small
+    # key-value server they use to find each other. We bind 127.0.0.1: one machine only.
+    ui.step(1, "Start one process per rank with mp.spawn")
+    kind, note = plan_device(args.device, args.world_size)
+    if note:
+        ui.print(f"[yellow]note:[/yellow] {note}")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(choose_port(args.master_port))
+    ui.print(f"mp.spawn(worker, nprocs={args.world_size}) with MASTER_ADDR=127.0.0.1 "
+             f"MASTER_PORT={os.environ['MASTER_PORT']}; every rank runs worker(rank, ...)")
+    if args.step:
+        ui.print("[dim]--step: the ranks are spawned without a terminal, so only this step pauses[/dim]")
+        ui.pause()
+    # mp.spawn starts the processes with the "spawn" method (a fresh Python each), calls
+    # worker(i, *args) in process i, and with join=True waits for all of them. If one
+    # raises, mp.spawn terminates the others and re-raises here: no rank waits forever.
+    try:
+        mp.spawn(worker, args=(args.world_size, args, kind), nprocs=args.world_size, join=True)
+    except mp.ProcessRaisedException as exc:
+        error = [line for line in str(exc.msg).splitlines() if line.strip()][-1]
+        fail(f"rank {exc.error_index} failed with {error}; mp.spawn stopped the other ranks", code=1)
+    except mp.ProcessExitedException as exc:
+        fail(f"rank {exc.error_index} exited ({exc.signal_name or f'code {exc.exit_code}'}); "
+             f"mp.spawn stopped the other ranks", code=1)
+
+
+def worker(rank: int, world_size: int, args, kind: str) -> None:
+    """What every process runs. mp.spawn passes the rank as the first argument."""
+    ui = UI(rank, world_size)
+    share_cpu(world_size)  # each rank gets its share of the cores, not all of them
+
+    # Step 2: Join the process group
+    # init_process_group blocks until all `world_size` ranks have connected to the store at
+    # MASTER_ADDR:MASTER_PORT (that is what init_method="env://" means). The timeout bounds
+    # that wait *and* every later collective: a rank that never comes or never answers
+    # turns into an error after `timeout` instead of a frozen terminal.
+    ui.step(2, "Join the process group")
+    device = rank_device(kind, rank)  # one GPU per rank: cuda:<rank>, or the CPU
+    backend = backend_for(device)     # nccl for GPUs, gloo for CPU tensors
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # so that NCCL and `cuda` without an index mean our GPU
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    ui.table("The world", WORLD_COLUMNS, world_rows(rank, device, backend))
+
+    # Step 3: Split the data with DistributedSampler
+    # Each rank reads a different 1/N of every epoch: positions rank, rank+N, rank+2N, ...
+    # of one shuffled order. shuffle=True belongs to the *sampler* (a DataLoader with a
+    # sampler must not shuffle too), and the per-rank batch is the global batch / N, so one
+    # step of N ranks sees exactly the 96 samples of one step of lesson 01.
+    ui.step(3, "Split the data with DistributedSampler")
+    data = recipe.load_data(args.dataset, args.data_dir, args.download)
+    sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=args.seed)
+    per_rank = recipe.GLOBAL_BATCH // world_size
+    loader = DataLoader(data.train, batch_size=per_rank, sampler=sampler)
+    sampler.set_epoch(0)
+    first = list(sampler)[:per_rank]
+    ui.print(f"global batch {recipe.GLOBAL_BATCH} = {world_size} ranks x {per_rank} samples; "
+             f"{len(loader)} steps per epoch on every rank")
+    ui.say_all(f"my {len(sampler)} samples start with indices {first[:6]} ...")
+    dist.barrier()  # only so the lines above print before the next step's
+
+    # Step 4: Wrap the model with DDP
+    # Same seed on every rank gives the same initial weights; DDP also broadcasts rank 0's
+    # weights at construction, so the copies start identical either way. device_ids is for
+    # GPUs only (one device per process); on the CPU it stays None.
+    # find_unused_parameters=False (the default) is right here: every parameter gets a
+    # gradient every step. True would make DDP walk the autograd graph after each forward.
+    ui.step(4, "Wrap the model with DDP")
+    model = recipe.make_model(args.seed, data.in_features, data.classes).to(device)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = recipe.make_optimizer(ddp_model)
+    keys = list(ddp_model.state_dict())
+    ui.print(f"the real model is ddp_model.module ({type(ddp_model.module).__name__}); "
+             f"DDP's state_dict keys carry a prefix: {keys[:2]} ...")
+
+    # Step 5: See that gradients are averaged
+    # Compute one batch's gradient twice: first *locally* (inside no_sync(), DDP does not
+    # communicate), then normally. DDP's gradient must equal the mean of all ranks' local
+    # gradients, on every rank. No optimizer step is taken: training below is unaffected.
+    ui.step(5, "See that gradients are averaged")
+    x, y = next(iter(loader))
+    x, y = x.to(device), y.to(device)
+    with ddp_model.no_sync():
+        F.cross_entropy(ddp_model(x), y).backward()
+    local = model.head.weight.grad.clone()
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    mean_of_locals = torch.stack(gathered).mean(0)
+    optimizer.zero_grad(set_to_none=True)
+    F.cross_entropy(ddp_model(x), y).backward()  # the all-reduce happens during this backward
+    synced = model.head.weight.grad
+    gap = (synced - mean_of_locals).abs().max().item()
+    ui.say_all(f"head.weight.grad[0,:3]: local {fmt(local[0, :3])}  after DDP {fmt(synced[0, :3])}"
+               f"  |DDP - mean of all ranks' local| = {gap:.1e}")
+    torch.testing.assert_close(synced, mean_of_locals)
+    optimizer.zero_grad(set_to_none=True)
+    dist.barrier()
+
+    # Step 6: Train
+    # The loop is lesson 01's, plus sampler.set_epoch(epoch): without it every epoch would
+    # replay epoch 0's order. The loss each rank sees is its local batch's; for the log we
+    # average it over ranks (one small all-reduce), which gives the global batch's loss.
+    ui.step(6, "Train")
+    losses: list[float] = []
+    steps = args.epochs * len(loader)
+    log_every = max(1, len(loader) // 4)
+    timer = Timer()
+    with ui.progress(steps, f"training on {world_size} ranks") as bar:
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                if rank == args.crash_rank and len(losses) == args.crash_at_step:
+                    raise RuntimeError(f"deliberate crash of rank {rank} at step {len(losses)} "
+                                       f"(--crash-rank)")
+                x, y = x.to(device), y.to(device)
+                loss = F.cross_entropy(ddp_model(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()       # DDP all-reduces gradients, bucket by bucket, in here
+                optimizer.step()      # identical gradients -> identical steps on every rank
+                global_loss = loss.detach().clone()
+                dist.all_reduce(global_loss)  # SUM over ranks; gloo has no AVG
+                losses.append(global_loss.item() / world_size)
+                bar.advance()
+                if len(losses) % log_every == 0:
+                    ui.log(epoch + 1, len(losses), steps, losses[-1],
+                           timer.rate(len(losses) * recipe.GLOBAL_BATCH))
+    wall = timer.seconds
+
+    # Step 7: Save on rank 0, then wait at a barrier
+    # All ranks hold the same weights, so one file is enough: rank 0 writes it. Every rank
+    # writing the same path would race; and a rank that reads the file must wait until it
+    # is complete, which is what the barrier is for.
+    ui.step(7, "Save on rank 0, then wait at a barrier")
+    folder = out_dir("05", args.out)
+    weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
+    if rank == 0:
+        reference = recipe.train_reference(args.seed, args.epochs, data)
+        diff = max_abs_diff(weights, reference)
+        accuracy = recipe.accuracy(ddp_model.module, data.test, device)
+        save_results(folder, weights, make_metrics(
+            lesson="05", world_size=world_size, backend=backend, device=str(device),
+            losses=losses, final_accuracy=accuracy, wall_seconds=wall,
+            samples=args.epochs * len(data.train), epochs=args.epochs, seed=args.seed,
+            dataset=data.name, global_batch=recipe.GLOBAL_BATCH,
+            max_abs_diff_vs_single_device=diff))
+        ui.print(f"test accuracy {accuracy:.1%}; wrote {shown(folder / 'final.pt')} "
+                 f"and metrics.json")
+        ui.print(f"same weights as one device? max |w_ddp - w_lesson01| = [bold]{diff:.1e}[/bold] "
+                 f"({'yes' if diff <= 1e-4 else 'NO'}: float sums in another order differ by ~1e-7)")
+    dist.barrier()  # nobody reads final.pt before rank 0 has finished writing it
+    if rank != 0:
+        saved = torch.load(folder / "final.pt", weights_only=True)
+        ui.say_all(f"read rank 0's final.pt after the barrier: max diff to my own weights "
+                   f"{max_abs_diff(saved, weights):.1e}")
+    dist.barrier()
+
+    # Step 8: Leave the process group
+    # Free everything that holds the process group (the DDP model's reducer) and collect
+    # garbage *before* destroying the group. On torch 2.14.1 gloo otherwise aborts at exit
+    # now and then ("terminate called without an active exception").
+    ui.step(8, "Leave the process group")
+    del ddp_model, model, optimizer
+    gc.collect()
+    dist.destroy_process_group()
+    ui.print("done: every rank left the process group cleanly")
+
+
+def fmt(t: torch.Tensor) -> str:
+    return "[" + ", ".join(f"{v:+.4f}" for v in t.tolist()) + "]"
+
+
+if __name__ == "__main__":
+    run(main)
