@@ -1,0 +1,220 @@
+"""Simulate several machines on this one: start one torchrun agent per "node".
+
+    python -m common.nodes --nnodes 2 --nproc-per-node 2 -- lessons/06_torchrun_multinode.py --epochs 3
+
+On real machines you would type one torchrun command per machine; this launcher types
+them for you, on 127.0.0.1, prints them first so you can copy them, and watches the
+agents: when one fails, the others are stopped, so the job never hangs. Each agent's
+torchrun log (stderr) is shown with a `[node N]` prefix and saved whole, tracebacks and
+all, to runs/nodes/node-N.log; tracebacks are left out of the terminal copy.
+
+Make targets use it: `make lesson-06` (static rendezvous, two nodes) and `make lesson-07`
+(c10d rendezvous with restarts: --elastic).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.cli import LessonParser, fail, nonnegative_int, port_number, positive_float, positive_int  # noqa: E402
+from common.distributed import choose_port  # noqa: E402
+
+
+def parse_args(argv):
+    if "--" not in argv:
+        fail("usage: python -m common.nodes [options] -- SCRIPT [script flags]")
+    cut = argv.index("--")
+    own, script = argv[:cut], argv[cut + 1:]
+    if not script:
+        fail("no script after --; e.g. python -m common.nodes -- lessons/06_torchrun_multinode.py")
+    p = LessonParser(prog="python -m common.nodes", description=__doc__.splitlines()[0])
+    p.add_argument("--nnodes", default="2",
+                   help="how many nodes (agents) to start; MIN:MAX with --elastic")
+    p.add_argument("--nproc-per-node", type=positive_int, default=2, help="workers per node")
+    p.add_argument("--elastic", action="store_true",
+                   help="c10d rendezvous (elastic: restarts, node ranges) instead of static")
+    p.add_argument("--max-restarts", type=nonnegative_int, default=0,
+                   help="how often torchrun restarts the workers after a failure")
+    p.add_argument("--rdzv-timeout", type=positive_int, default=60,
+                   help="seconds a node waits for the others at the rendezvous")
+    p.add_argument("--master-port", type=port_number, default=None,
+                   help="port of the rendezvous store (default: a free one)")
+    p.add_argument("--only-node", type=nonnegative_int, action="append", default=None,
+                   help="start only this node rank (repeatable), to see a missing node")
+    p.add_argument("--job-timeout", type=positive_float, default=900,
+                   help="stop everything after this many seconds")
+    args = p.parse_args(own)
+    m = re.fullmatch(r"(\d+)(?::(\d+))?", args.nnodes)
+    if not m or int(m[1]) < 1 or (m[2] and int(m[2]) < int(m[1])):
+        fail(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX with 1 <= MIN <= MAX")
+    if m[2] and not args.elastic:
+        fail("--nnodes MIN:MAX needs --elastic (static rendezvous has a fixed node count)")
+    args.min_nodes, args.max_nodes = int(m[1]), int(m[2] or m[1])
+    if not Path(script[0]).exists():
+        fail(f"script {script[0]} not found")
+    return args, script
+
+
+def torchrun_command(args, node_rank: int, port: int, script: list[str]) -> list[str]:
+    """The torchrun command one machine would run."""
+    cmd = ["torchrun", f"--nnodes={args.nnodes}", f"--nproc-per-node={args.nproc_per_node}"]
+    if args.elastic:
+        # c10d: the agents meet in a store hosted by whichever agent reaches it first;
+        # node ranks are assigned at the rendezvous, so no --node-rank.
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=lesson",
+                f"--rdzv-conf=join_timeout={args.rdzv_timeout}",
+                f"--max-restarts={args.max_restarts}"]
+    else:
+        # static: node 0 hosts the store at --master-addr:--master-port; ranks are fixed.
+        cmd += [f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}",
+                f"--rdzv-conf=timeout={args.rdzv_timeout}", f"--max-restarts={args.max_restarts}"]
+    return cmd + script
+
+
+GLOG = re.compile(r"^[EWI]\d{4} [\d:.]+ +\d+ \S+:\d+\] ?")  # torch's log-line header
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch prefixes workers' tracebacks with it
+NOISE = re.compile(r"^(frame #\d+:|<omitting python frames>|Exception raised from )")
+
+
+def pump(node: int, stream, log_path: Path, seen: dict) -> None:
+    """Copy an agent's stderr to ours with a [node N] prefix.
+
+    The log file gets every line; the terminal gets them without Python tracebacks and C++
+    frame dumps, keeping each exception's last line (also remembered for the summary).
+    """
+    in_traceback = False
+    with open(log_path, "w") as log:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            text = RANK_PREFIX.sub("", GLOG.sub("", line))
+            if text.startswith("Root Cause"):
+                seen["root_cause_node"] = node
+            m = re.match(r"^\s+rank\s+:\s+(\d+)", text)
+            if m and seen.get("root_cause_node") == node:
+                seen["root_rank"] = int(m[1])
+            m = re.match(r"^  ([A-Za-z_][\w.]*(?:Error|Exception)\b.*)", text)
+            if m and seen.get("root_cause_node") == node:
+                seen["root_error"] = m[1].strip()
+            if "exit barrier" in text:
+                seen.setdefault("exit_barrier", set()).add(node)
+            if text.startswith("Traceback (most recent call last)"):
+                in_traceback = True
+                continue
+            if in_traceback:
+                if text.startswith((" ", "\t")) or not text.strip():
+                    continue
+                in_traceback = False  # the exception line itself ends the traceback
+                seen[node] = text.strip()
+            if NOISE.match(text):
+                continue
+            sys.stderr.write(f"[node {node}] {line}")
+            sys.stderr.flush()
+
+
+def explain(node: int, error: str, args, port: int) -> str:
+    m = re.search(r"(\d+)/(\d+) clients joined", error)
+    if m:
+        return (f"node {node} waited {args.rdzv_timeout} s at the rendezvous (127.0.0.1:{port}) "
+                f"but only {m[1]} of {m[2]} nodes came; start every node with the same --nnodes, "
+                f"--master-addr and --master-port, or raise --rdzv-timeout")
+    if "RendezvousTimeoutError" in error:
+        return (f"node {node} timed out at the c10d rendezvous after {args.rdzv_timeout} s "
+                f"without enough nodes (need {args.min_nodes}); start the others or lower --nnodes")
+    return f"node {node} failed: {error or 'see its log'}; the other nodes were stopped"
+
+
+def main(argv: list[str]) -> None:
+    args, script = parse_args(argv)
+    port = choose_port(args.master_port)
+    nodes = args.only_node if args.only_node is not None else list(range(args.max_nodes if args.elastic else args.min_nodes))
+    log_dir = ROOT / "runs" / "nodes"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    print(f"Simulating {len(nodes)} node(s) on this machine; on real machines run one of these per machine\n"
+          f"(with the first machine's address instead of 127.0.0.1):", flush=True)
+    procs = []
+    for node in nodes:
+        cmd = torchrun_command(args, node, port, script)
+        print(f"  node {node}: {shlex.join(cmd)}", flush=True)
+        # `python -m torch.distributed.run` is what the `torchrun` script runs
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *cmd[1:]],
+                                      cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))  # own group: we can stop it whole
+        time.sleep(0.2)  # node 0 first, so it is the one that hosts the store
+    print(flush=True)
+
+    last_error: dict = {}  # node -> its last exception line
+    pumps = [threading.Thread(target=pump, args=(n, p.stderr, log_dir / f"node-{n}.log", last_error),
+                              daemon=True) for n, p in zip(nodes, procs)]
+    for t in pumps:
+        t.start()
+
+    def stop_all():
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)  # the agent and its workers
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + 15
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    start = time.time()
+    failed = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(n, c) for n, c in zip(nodes, codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.time() - start > args.job_timeout:
+                stop_all()
+                fail(f"the job ran longer than --job-timeout {args.job_timeout:g} s and was stopped", code=1)
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        stop_all()
+        fail("interrupted (Ctrl-C): every node was stopped", code=130)
+    if failed:
+        node, code = failed
+        time.sleep(1)  # let the failing agent's last lines arrive
+        stop_all()
+        for t in pumps:
+            t.join(timeout=5)
+        if "root_error" in last_error:  # torchrun's summary, thanks to @record in the script
+            fail(f"rank {last_error.get('root_rank', '?')} on node {last_error['root_cause_node']} "
+                 f"failed first: {last_error['root_error']}; the other nodes were stopped "
+                 f"(full log: {log_dir.relative_to(ROOT)}/node-{node}.log)", code=1)
+        fail(f"{explain(node, str(last_error.get(node, '')), args, port)} "
+             f"(full log: {log_dir.relative_to(ROOT)}/node-{node}.log)", code=1)
+    for t in pumps:
+        t.join(timeout=5)
+    late = sorted(last_error.get("exit_barrier", ()))
+    if late:
+        print(f"note: 'Error waiting on exit barrier' from node(s) {late} is torchrun's agents racing "
+              f"at shutdown (node 0 closed its store first); every worker had finished and the job "
+              f"succeeded.", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
