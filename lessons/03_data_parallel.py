@@ -369,7 +369,7 @@ def main() -> None:
     folder = out_dir("03", args.out)
     samples = args.epochs * len(data.train)
     save_results(folder, state, make_metrics(
-        lesson="03", world_size=1, backend="none", device=names[0], losses=losses,
+        lesson="03", world_size=1, backend="none", device=str(dev0), losses=losses,
         final_accuracy=final_accuracy, wall_seconds=wall, samples=samples,
         epochs=args.epochs, seed=args.seed, dataset=data.name, global_batch=recipe.GLOBAL_BATCH,
         devices=n, simulated=not real, device_names=names, max_abs_diff_vs_01=diff,
