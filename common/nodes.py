@@ -99,14 +99,15 @@ def pump(node: int, stream, log_path: Path, seen: dict) -> None:
             log.write(line)
             log.flush()
             text = RANK_PREFIX.sub("", GLOG.sub("", line))
+            # torchrun's failure summary (the "Root Cause" box, filled in thanks to @record)
             if text.startswith("Root Cause"):
-                seen["root_cause_node"] = node
+                root = seen.setdefault("roots", {})[node] = {}
             m = re.match(r"^\s+rank\s+:\s+(\d+)", text)
-            if m and seen.get("root_cause_node") == node:
-                seen["root_rank"] = int(m[1])
+            if m and node in seen.get("roots", {}):
+                seen["roots"][node]["rank"] = int(m[1])
             m = re.match(r"^  ([A-Za-z_][\w.]*(?:Error|Exception)\b.*)", text)
-            if m and seen.get("root_cause_node") == node:
-                seen["root_error"] = m[1].strip()
+            if m and node in seen.get("roots", {}):
+                seen["roots"][node]["error"] = m[1].strip()
             if "exit barrier" in text:
                 seen.setdefault("exit_barrier", set()).add(node)
             if text.startswith("Traceback (most recent call last)"):
@@ -121,6 +122,18 @@ def pump(node: int, stream, log_path: Path, seen: dict) -> None:
                 continue
             sys.stderr.write(f"[node {node}] {line}")
             sys.stderr.flush()
+
+
+# What a rank reports when it was not the cause but lost a peer that crashed
+CONSEQUENCE = re.compile(r"Connection closed by peer|remote worker crash|Connection reset|"
+                         r"SIGTERM|SignalException|got signal")
+
+
+def root_cause(roots: dict) -> dict | None:
+    """The failure that started it, out of every node's torchrun summary."""
+    found = [{"node": n, **r} for n, r in sorted(roots.items()) if "error" in r]
+    real = [r for r in found if not CONSEQUENCE.search(r["error"])]
+    return (real or found or [None])[0]
 
 
 def explain(node: int, error: str, args, port: int) -> str:
@@ -197,14 +210,19 @@ def main(argv: list[str]) -> None:
         fail("interrupted (Ctrl-C): every node was stopped", code=130)
     if failed:
         node, code = failed
-        time.sleep(1)  # let the failing agent's last lines arrive
+        # Give the other agents a few seconds to notice and report their own workers'
+        # failures: the node that fails *first* is often not the one with the real error.
+        deadline = time.time() + 10
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.2)
         stop_all()
         for t in pumps:
             t.join(timeout=5)
-        if "root_error" in last_error:  # torchrun's summary, thanks to @record in the script
-            fail(f"rank {last_error.get('root_rank', '?')} on node {last_error['root_cause_node']} "
-                 f"failed first: {last_error['root_error']}; the other nodes were stopped "
-                 f"(full log: {log_dir.relative_to(ROOT)}/node-{node}.log)", code=1)
+        root = root_cause(last_error.get("roots", {}))
+        if root:
+            fail(f"rank {root['rank']} on node {root['node']} failed first: {root['error']}; "
+                 f"the other nodes were stopped (full logs: {log_dir.relative_to(ROOT)}/node-*.log)",
+                 code=1)
         fail(f"{explain(node, str(last_error.get(node, '')), args, port)} "
              f"(full log: {log_dir.relative_to(ROOT)}/node-{node}.log)", code=1)
     for t in pumps:

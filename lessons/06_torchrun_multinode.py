@@ -87,7 +87,8 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     share_cpu(local_world_size)
-    dist.init_process_group(backend=backend, init_method="env://",
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank,
+                            world_size=world_size,
                             timeout=datetime.timedelta(seconds=args.timeout))
 
     # Step 3: See which rank lives on which node

@@ -1,0 +1,54 @@
+"""Lesson 06: the same script under two simulated nodes, plain torchrun, and plain python."""
+import sys
+import time
+
+from common import recipe
+from conftest import load_run, max_abs_diff, run, run_lesson
+
+NODES = [sys.executable, "-m", "common.nodes"]
+LESSON = "lessons/06_torchrun_multinode.py"
+
+
+def test_make_lesson_06_runs_two_nodes_and_matches_one_device(tmp_path, reference_3_epochs):
+    proc = run(["make", "-s", "lesson-06", f"ARGS=--out {tmp_path}"], timeout=240)
+    state, metrics = load_run(tmp_path)
+    assert metrics["world_size"] == 4 and metrics["nodes"] == 2
+    # static rendezvous: global rank = node * nproc_per_node + local rank
+    assert [(r["rank"], r["node"], r["local_rank"]) for r in metrics["ranks"]] == \
+        [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert max_abs_diff(state, reference_3_epochs) <= 1e-4
+    assert "torchrun --nnodes=2 --nproc-per-node=2 --node-rank=1" in proc.stdout  # shown to copy
+    assert "terminate called" not in proc.stderr
+
+
+def test_plain_torchrun_standalone_and_plain_python(tmp_path):
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+         LESSON, "--epochs", "1", "--out", tmp_path / "tr"], timeout=180)
+    state, metrics = load_run(tmp_path / "tr")
+    assert metrics["world_size"] == 3
+    reference = recipe.train_reference(epochs=1)
+    assert max_abs_diff(state, reference) <= 1e-4
+    proc = run_lesson("06", "--epochs", "1", "--out", tmp_path / "py")
+    assert "a world of one" in proc.stdout
+    assert max_abs_diff(load_run(tmp_path / "py")[0], reference) <= 1e-4
+
+
+def test_a_missing_node_times_out_with_a_clear_message(tmp_path):
+    start = time.time()
+    proc = run([*NODES, "--nnodes", "2", "--only-node", "0", "--rdzv-timeout", "3", "--",
+                LESSON, "--out", tmp_path], check=False, timeout=120)
+    assert time.time() - start < 60
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: node 0 waited 3 s") and "only 1 of 2 nodes" in last
+
+
+def test_a_crashing_worker_is_named_and_stops_every_node(tmp_path):
+    start = time.time()
+    proc = run([*NODES, "--nnodes", "2", "--nproc-per-node", "2", "--", LESSON,
+                "--crash-rank", "3", "--out", tmp_path], check=False, timeout=180)
+    assert time.time() - start < 120
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "rank 3 on node 1 failed first: RuntimeError: deliberate crash" in last
+    assert not (tmp_path / "final.pt").exists()
