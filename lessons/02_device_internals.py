@@ -182,7 +182,7 @@ def main() -> None:
         # float32 -> float64 on the CPU takes the very branch .cuda() takes (see Step 3).
         convert, label = (lambda m: m.double()), "model.double()"
         ui.print(f"no GPU here: the lesson converts with [bold]{label}[/bold], which runs the "
-                 f"same Module._apply as .cuda(); Step 5 adds a real device change (meta)")
+                 f"same Module._apply as .cuda();\nStep 5 adds a real change of device (meta)")
     source_file = Path(inspect.getsourcefile(nn.Module._apply))
     source_line = inspect.getsourcelines(nn.Module._apply)[1]
     ui.print(f"read along: torch {torch.__version__}, "

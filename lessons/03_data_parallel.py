@@ -142,8 +142,8 @@ def main() -> None:
         device = torch.device("cpu")
         names = [f"sim:{i}" for i in range(n)]
         ui.print(f"{'no GPU' if gpus == 0 else 'only 1 GPU'} here: simulating {n} devices "
-                 f"({', '.join(names)}) on the CPU, one thread per replica, with the stages "
-                 f"written out by hand. Asking DataParallel's own functions for CPU devices:")
+                 f"({', '.join(names)}) on the CPU,\none thread per replica, with the stages "
+                 f"written out by hand. DataParallel's own functions refuse CPU devices:")
         from torch.nn.parallel import gather, replicate, scatter
         probes = [("scatter(x, ['cpu', 'cpu'])", lambda: scatter(torch.ones(4, 2), ["cpu", "cpu"])),
                   ("replicate(model, ['cpu', 'cpu'])",
@@ -155,8 +155,9 @@ def main() -> None:
                 ui.print(escape(f"  {text}: worked"))
             except Exception as exc:
                 ui.print(escape(f"  {text} -> {type(exc).__name__}: {exc}"))
-        ui.print(f"  nn.DataParallel(model).device_ids = {nn.DataParallel(nn.Linear(2, 2)).device_ids}"
-                 f" (no GPU: it would just call the model)")
+        ids = nn.DataParallel(nn.Linear(2, 2)).device_ids
+        ui.print(f"  nn.DataParallel(model).device_ids = {ids}: with "
+                 f"{'no device' if not ids else 'one device'} its forward just calls the model")
     dev0 = torch.device("cuda", 0) if real else torch.device("cpu")
 
     # Step 2: Build the model and the data

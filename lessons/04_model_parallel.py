@@ -180,9 +180,9 @@ def main() -> None:
     else:
         dev0 = dev1 = device
         ui.print(f"{'one GPU' if gpus == 1 else 'no GPU'} here: both stages are placed on "
-                 f"{device}. Two placements on one device, not two devices: the activation "
-                 f"'moves' with a .to() that copies nothing, and the two stages cannot run at "
-                 f"the same time, so Step 7 replays the measured stage times on two devices")
+                 f"{device}.\nTwo placements on one device, not two devices: the activation "
+                 f"'moves' with a .to() that copies nothing,\nand the two stages cannot run at "
+                 f"the same time, so Step 7 replays the measured stage times on two devices.")
     sync = (lambda: [torch.cuda.synchronize(d) for d in {dev0, dev1}]) if device.type == "cuda" \
         else (lambda: None)
 
@@ -203,7 +203,7 @@ def main() -> None:
         params = [p for name in layers for p in getattr(model, name).parameters()]
         ui.print(f"{stage} on {dev}: {', '.join(layers):<9} {sum(p.numel() for p in params):>5,} "
                  f"parameters ({sum(p.numel() * p.element_size() for p in params) / 1024:.1f} KiB)"
-                 f", all on {sorted({str(p.device) for p in params})[0]}")
+                 f", all on {', '.join(sorted({str(p.device) for p in params}))}")
 
     # Step 3: Check the split model against the whole one
     # Splitting must change *where* the arithmetic happens, never *what* it computes:
@@ -324,7 +324,7 @@ def main() -> None:
                f"{naive['idle_overall']:.0%}"],
               [f"pipelined, {m}", f"{1000 * piped['makespan']:.3f}",
                *(f"{i:.0%}" for i in piped["idle"]), f"{piped['idle_overall']:.0%}"],
-              [f"ideal: equal stages, {m} micro-batches", "", "", "", f"{1 / (m + 1):.0%}"]])
+              [f"ideal, equal stages", "", "", "", f"{1 / (m + 1):.0%}"]])
     speedup = naive["makespan"] / piped["makespan"]
     ui.print(f"pipelining cut the idle fraction from {naive['idle_overall']:.0%} to "
              f"{piped['idle_overall']:.0%}; the replayed step is {speedup:.2f}x as fast as naive "
