@@ -5,13 +5,17 @@
 * Only rank 0 draws a progress bar. When stdout is not a terminal (CI logs, pipes, `| tee`)
   rich prints no colours or cursor movements: the bar appears once, finished, at the end.
 * `step(n, title)` prints the step heading that matches `## Step n: title` in the doc and,
-  with --step, first waits for Enter after the previous step.
+  with --step, first pauses after the previous step (see `pause`).
 """
 from __future__ import annotations
 
+import os
+import re
+import select
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -26,7 +30,8 @@ class UI:
         self.console = Console(highlight=False, soft_wrap=True)
         self.step_mode = step_mode
         self._current_step: int | None = None
-        if step_mode and rank == 0 and not sys.stdin.isatty():
+        self._steps = doc_steps(sys.argv[0]) if step_mode else {}
+        if step_mode and rank == 0 and step_terminal() is None:
             self.print("[dim]--step: stdin is not a terminal, so the steps will not pause[/dim]")
 
     @property
@@ -49,17 +54,52 @@ class UI:
     def step(self, number: int, title: str) -> None:
         """Heading of `# Step N: title`; with --step, pause after the previous step first."""
         if self._current_step is not None:
-            self.pause()
+            self.pause(next_step=(number, title))
         self._current_step = number
         self.print(f"\n[bold magenta]Step {number}: {title}[/bold magenta]")
 
-    def pause(self) -> None:
-        if not (self.step_mode and self.is_main and sys.stdin.isatty()):
-            return  # never block without a terminal: CI, pipes and spawned ranks run through
-        answer = input(f"  (step {self._current_step} done: Enter for the next step, q to quit) ")
-        if answer.strip().lower() == "q":
+    def pause(self, next_step: tuple[int, str] | None = None) -> None:
+        """With --step: say what just happened and what comes next, then wait for Enter.
+
+        Only rank 0 asks. In a multi-process lesson the other ranks wait for its answer by
+        receiving a small broadcast every second ("wait", then "go" or "quit"), so a learner
+        who reads for ten minutes never trips the process group's timeout. Without a
+        terminal nothing blocks.
+        """
+        if not self.step_mode:
+            return
+        import torch.distributed as dist
+
+        together = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if not together and not self.is_main:
+            return
+        answer = "go"
+        if self.is_main:
+            tty = step_terminal()
+            if tty is not None:
+                self._summary(next_step)
+                tty.write("  [Enter] next step, [q] quit: ")
+                tty.flush()
+                answer = _read_answer(tty, dist if together else None)
+        if together:
+            answer = _broadcast(dist, answer if self.is_main else None)
+            while answer == "wait":
+                answer = _broadcast(dist, None)
+        if answer == "quit":
             self.print("Stopped at your request.")
-            raise SystemExit(0)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # Every rank stops here, together. os._exit skips the interpreter's teardown,
+            # where gloo would complain about a process group that was never destroyed.
+            os._exit(0)
+
+    def _summary(self, next_step: tuple[int, str] | None) -> None:
+        done = self._current_step
+        title, first = self._steps.get(done, ("", ""))
+        self.console.print(f"[dim]  done: Step {done}{': ' + title if title else ''}"
+                           f"{' - ' + escape(first) if first else ''}[/dim]")
+        if next_step:
+            self.console.print(f"[dim]  next: Step {next_step[0]}: {next_step[1]}[/dim]")
 
     def log(self, epoch: int, step: int, steps: int, loss: float, samples_per_s: float) -> None:
         """One compact line per logging step: epoch | step | loss | samples/s."""
@@ -85,7 +125,7 @@ class UI:
         for col in columns:
             table.add_column(col)
         for row in rows:
-            table.add_row(*[str(x) for x in row])
+            table.add_row(*[escape(str(x)) for x in row])
         self.console.print(table)
 
 
@@ -114,3 +154,91 @@ class Timer:
 
     def rate(self, n: int) -> float:
         return n / max(self.seconds, 1e-9)
+
+
+# --- step mode: where to ask, and how the other ranks wait --------------------------------
+
+class _TTY:
+    def __init__(self, reader, writer):
+        self.reader, self.writer = reader, writer
+
+    def fileno(self) -> int:
+        return self.reader.fileno()
+
+    def readline(self) -> str:
+        return self.reader.readline()
+
+    def write(self, text: str) -> None:
+        self.writer.write(text)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+
+def step_terminal() -> _TTY | None:
+    """The terminal to ask on, or None. mp.spawn gives its children /dev/null as stdin, so a
+    parent that has a terminal passes its name down in LESSON_STEP_TTY."""
+    if sys.stdin is not None and sys.stdin.isatty():
+        return _TTY(sys.stdin, sys.stdout)
+    path = os.environ.get("LESSON_STEP_TTY")
+    if path:
+        try:
+            reader = open(path, "r")   # two plain streams: a tty cannot seek, so no "r+"
+            writer = open(path, "w")
+        except OSError:
+            return None
+        return _TTY(reader, writer)
+    return None
+
+
+def share_terminal_with_children() -> None:
+    """Call in a parent before mp.spawn, so that rank 0 can ask on the same terminal."""
+    if sys.stdin is not None and sys.stdin.isatty():
+        os.environ["LESSON_STEP_TTY"] = os.ttyname(sys.stdin.fileno())
+
+
+def _read_answer(tty: _TTY, dist) -> str:
+    """Wait for a line on the terminal; in a group, tell the others 'wait' every second."""
+    while True:
+        ready, _, _ = select.select([tty], [], [], 1.0)
+        if ready:
+            line = tty.readline()
+            return "quit" if line == "" or line.strip().lower() in ("q", "quit") else "go"
+        if dist is not None:
+            _broadcast(dist, "wait")
+
+
+def _broadcast(dist, value):
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def doc_steps(script: str) -> dict[int, tuple[str, str]]:
+    """{N: (title, first sentence)} from the `## Step N: title` sections of the lesson's doc."""
+    doc = Path(script).resolve().parent.parent / "docs" / (Path(script).stem + ".md")
+    if not doc.exists():
+        return {}
+    steps: dict[int, tuple[str, str]] = {}
+    current, prose, in_code = None, [], False
+    for line in doc.read_text().splitlines() + ["## end"]:
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        if in_code:
+            continue
+        if line.startswith("## "):
+            if current is not None:
+                steps[current[0]] = (current[1], _first_sentence(" ".join(prose)))
+            m = re.match(r"## Step (\d+): (.+)", line)
+            current, prose = ((int(m[1]), m[2].strip()) if m else None), []
+        elif current is not None and line.strip() and not line.startswith(("<!--", "|", "#", ">")):
+            prose.append(line.strip())
+    return steps
+
+
+def _first_sentence(text: str) -> str:
+    text = re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", text)  # [link](url) -> link
+    text = re.sub(r"\s+", " ", text.replace("**", "").replace("`", "")).strip()
+    first = re.split(r"(?<=[.!?])\s", text, maxsplit=1)[0] if text else ""
+    return first if len(first) <= 220 else first[:217] + "..."

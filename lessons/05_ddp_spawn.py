@@ -33,7 +33,7 @@ from common.cli import fail, lesson_parser, nonnegative_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import WORLD_COLUMNS, choose_port, world_rows
 from common.results import make_metrics, max_abs_diff, out_dir, save_results, shown
-from common.ui import UI, Timer
+from common.ui import UI, Timer, share_terminal_with_children
 
 MAX_WORLD = 16  # more ranks than this on one machine teaches nothing but waiting
 
@@ -75,9 +75,9 @@ def main() -> None:
     os.environ["MASTER_PORT"] = str(choose_port(args.master_port))
     ui.print(f"mp.spawn(worker, nprocs={args.world_size}) with MASTER_ADDR=127.0.0.1 "
              f"MASTER_PORT={os.environ['MASTER_PORT']}; every rank runs worker(rank, ...)")
-    if args.step:
-        ui.print("[dim]--step: the ranks are spawned without a terminal, so only this step pauses[/dim]")
-        ui.pause()
+    # --step: the children get /dev/null as stdin, so tell rank 0 which terminal to ask on
+    share_terminal_with_children()
+    ui.pause(next_step=(2, "Join the process group"))
     # mp.spawn starts the processes with the "spawn" method (a fresh Python each), calls
     # worker(i, *args) in process i, and with join=True waits for all of them. If one
     # raises, mp.spawn terminates the others and re-raises here: no rank waits forever.
@@ -93,7 +93,7 @@ def main() -> None:
 
 def worker(rank: int, world_size: int, args, kind: str) -> None:
     """What every process runs. mp.spawn passes the rank as the first argument."""
-    ui = UI(rank, world_size)
+    ui = UI(rank, world_size, step_mode=args.step)
     share_cpu(world_size)  # each rank gets its share of the cores, not all of them
 
     # Step 2: Join the process group
