@@ -19,7 +19,7 @@ STEP_FLAG := $(if $(filter-out 0,$(STEP)),--step)
 RUN_06 := -m common.nodes --nnodes 2 --nproc-per-node 2 --
 RUN_07 := -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
 
-.PHONY: help venv lessons test clean distclean docs-output
+.PHONY: help venv lessons test clean distclean docs-output diff
 
 help:
 	@echo "Distributed PyTorch, Step by Step"
@@ -33,6 +33,7 @@ help:
 	@echo
 	@echo "Other targets:"
 	@echo "  make lessons     run every lesson in order, with its defaults"
+	@echo "  make diff FROM=04 TO=05  what changed between two lessons' code"
 	@echo "  make test       run the test suite (pytest, CPU only, a few minutes)"
 	@echo "  make docs-output  rerun the commands whose output the docs show (DOCS=docs/01_*.md)"
 	@echo "  make venv       create .venv and install requirements.txt (done automatically)"
@@ -72,3 +73,7 @@ distclean: clean
 
 docs-output: $(STAMP)  ## regenerate the real output pasted into docs/*.md
 	$(PY) tools/doc_output.py $(DOCS)
+
+diff: $(STAMP)  ## what changed between two lessons: make diff FROM=04 TO=05
+	@if [ -z "$(FROM)" ] || [ -z "$(TO)" ]; then echo "error: give two lessons, e.g. make diff FROM=04 TO=05" >&2; exit 2; fi
+	@$(PY) tools/lesson_diff.py $(FROM) $(TO)

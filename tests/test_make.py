@@ -27,3 +27,20 @@ def test_make_lesson_passes_args_through(tmp_path):
     out = run(["make", "-s", "lesson-01", f"ARGS=--epochs 1 --out {tmp_path}"]).stdout
     assert re.search(r"step\s+32/32", out)
     assert (tmp_path / "metrics.json").exists()
+
+
+def test_diff_between_two_lessons_counts_and_shows_the_changes():
+    out = run(["make", "-s", "diff", "FROM=01", "TO=05"]).stdout
+    first = out.splitlines()[0]
+    assert first.startswith("01_single_device.py -> 05_ddp_spawn.py:")
+    added = int(re.search(r"(\d+) lines added", first)[1])
+    assert added > 50 and "+++ lessons/05_ddp_spawn.py" in out
+    assert "+from torch.nn.parallel import DistributedDataParallel as DDP" in out
+    assert "\x1b[" not in out  # plain text when piped
+
+
+def test_diff_with_an_unknown_lesson_is_one_line():
+    line = one_error_line(run(["make", "-s", "diff", "FROM=01", "TO=77"], check=False))
+    assert "'77'" in line and "01" in line
+    line = one_error_line(run(["make", "-s", "diff", "FROM=01"], check=False))
+    assert "FROM=04 TO=05" in line
