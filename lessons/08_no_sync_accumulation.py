@@ -141,8 +141,8 @@ def worker(rank: int, world_size: int, args, kind: str) -> None:
     # into .grad, and the optimizer steps after `accum` of them. It is *correct* (DDP
     # all-reduces the running sum, and the sum of averages is the average of sums), but
     # every backward all-reduces: `accum` syncs per optimizer step where one would do.
-    # Each micro-batch's loss is divided by `accum`: the mean over 12 samples / 4 is what
-    # the mean over 48 would have given, so the step matches lesson 01's.
+    # Each micro-batch's loss is divided by `accum`: four means over 12 samples, each
+    # divided by 4, add up to the mean over the rank's 48, so the step is lesson 01's.
     ui.step(5, "Accumulate naively: DDP syncs every micro-batch")
     model, ddp_model, optimizer, naive = build(args, data, device)
     with ui.progress(args.epochs * steps_per_epoch, "naive  ") as bar:

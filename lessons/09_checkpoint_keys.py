@@ -86,7 +86,7 @@ def main() -> None:
                 losses.append(loss.item())
                 bar.advance()
     wall = timer.seconds
-    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trained = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     accuracy_trained = recipe.accuracy(model, data.test, device)
     ddp_path = folder / "ddp_model.pt"
     ddp_path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,7 +190,8 @@ def main() -> None:
             fresh = recipe.make_model(args.seed + 1, data.in_features, data.classes).to(device)
             target = wrap(target_kind, fresh, device)
             row[1] = load_into(target, saved_state) or "(nothing)"  # returns what it stripped
-            diff = max_abs_diff(unwrap(target).state_dict(), trained)
+            # plain_state_dict: CPU copies (DataParallel moves a model to cuda:0 on a 1-GPU machine)
+            diff = max_abs_diff(plain_state_dict(unwrap(target)), trained)
             worst = max(worst, diff)
             matrix[f"{source_kind} -> {target_kind}"] = row[1]
             row.append("ok" if diff == 0.0 else f"{diff:.1e}")

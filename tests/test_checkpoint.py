@@ -1,6 +1,5 @@
 """common/checkpoint.py: load_into for every pair of wrappers, and its errors."""
 import gc
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import recipe
-from common.checkpoint import (CheckpointError, load_into, strip_wrapper_prefixes, unwrap)
+from common.checkpoint import CheckpointError, load_into, strip_wrapper_prefixes, unwrap
 
 KINDS = ["plain", "DataParallel", "DDP", "compile"]
 NESTED = ["DDP(compile)", "compile(DDP)", "DataParallel(DataParallel)"]
@@ -47,8 +46,8 @@ def trained() -> nn.Module:
 def assert_same(model: nn.Module, expected: nn.Module) -> None:
     got, want = unwrap(model).state_dict(), expected.state_dict()
     assert list(got) == list(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    for k in want:  # .cpu(): with one GPU, DataParallel moves its model to cuda:0
+        torch.testing.assert_close(got[k].cpu(), want[k].cpu(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("target_kind", KINDS + NESTED)
