@@ -1,0 +1,418 @@
+"""Lesson 11: synchronous vs asynchronous updates, raced with one deliberately slow worker.
+
+New since lesson 10: there we combined gradients; here we ask *when*. Synchronous training
+(what DDP does) waits at every step until all N workers' gradients are summed, so the step
+takes as long as the slowest worker. Asynchronous training (Hogwild: N processes updating
+one model in shared memory, `torch.multiprocessing` + `model.share_memory()`) never waits,
+but a worker's gradient may be computed on weights that others have changed since: it is
+*stale*. Both train the shared recipe on the same samples with one worker slowed down
+(`--slow-rank`, `--slow-factor`); the lesson prints throughput, staleness and the loss and
+accuracy each reaches.
+
+Run:
+    make lesson-11
+    make lesson-11 ARGS="--slow-factor 8"
+    python lessons/11_sync_vs_async.py --world-size 4 --slow-rank 1 --slow-factor 4 --work-ms 4
+    python lessons/11_sync_vs_async.py --mode sync --slow-factor 1000 --timeout 3   # too slow
+
+Doc: docs/11_sync_vs_async.md
+"""
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from common import recipe
+from common.cli import fail, lesson_parser, nonnegative_int, positive_float, run
+from common.distributed import choose_port, spawn, teardown
+from common.results import make_metrics, max_abs_diff, out_dir, save_results, shown
+from common.ui import UI
+
+MAX_WORLD = 8
+# columns of the per-worker statistics every process writes into shared memory
+SAMPLES, UPDATES, BUSY, WAIT, START, END = range(6)
+
+
+def parse_args():
+    parser = lesson_parser(__doc__, distributed=True, world_size=4)
+    parser.add_argument("--slow-rank", type=nonnegative_int, default=1,
+                        help="the worker that is slowed down")
+    parser.add_argument("--slow-factor", type=positive_float, default=4.0,
+                        help="the slow worker's simulated compute takes this many times longer "
+                             "(1 = no slow worker)")
+    parser.add_argument("--work-ms", type=positive_float, default=4.0,
+                        help="simulated compute per worker batch, in milliseconds (a sleep, "
+                             "standing in for a bigger model on a device of its own)")
+    parser.add_argument("--mode", choices=["both", "sync", "async"], default="both",
+                        help="which of the two trainings to run")
+    args = parser.parse_args()
+    n = args.world_size
+    if n < 2:
+        fail(f"--world-size {n} is one worker: nothing to synchronise and nobody to be stale "
+             f"behind; use --world-size 2 or more (the default is 4)")
+    if n > MAX_WORLD:
+        fail(f"--world-size {n} is more workers than this lesson measures usefully on one "
+             f"machine; use {MAX_WORLD} or fewer")
+    if recipe.GLOBAL_BATCH % n:
+        ok = [d for d in range(2, MAX_WORLD + 1) if recipe.GLOBAL_BATCH % d == 0]
+        fail(f"--world-size {n} does not divide the global batch of {recipe.GLOBAL_BATCH} into "
+             f"equal worker batches; use one of {', '.join(map(str, ok))}")
+    if args.slow_rank >= n:
+        fail(f"--slow-rank {args.slow_rank} does not exist among {n} workers (0..{n - 1})")
+    if args.slow_factor < 1:
+        fail(f"--slow-factor {args.slow_factor:g} would make the slow worker faster; use 1 "
+             f"(nobody slow) or more")
+    if args.device == "cuda":
+        fail("this lesson trains on the CPU on purpose (Hogwild shares one model in CPU "
+             "memory between processes); leave out --device")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    ui = UI(step_mode=args.step)
+    n = args.world_size
+    ui.title(f"Lesson 11: synchronous vs asynchronous updates, {n} workers, "
+             f"worker {args.slow_rank} {args.slow_factor:g}x slower")
+
+    # Step 1: Set up the race
+    # Same data, same initial weights and the same samples in both modes: the recipe's
+    # epochs, in batches of 96/N per worker. Compute is simulated with a sleep of
+    # --work-ms per batch (times --slow-factor on the slow worker): with 4 processes on
+    # 2 cores, real compute would measure the cores' contention, not the algorithms.
+    # Everything the workers share lives in shared memory, made here, before they start.
+    ui.step(1, "Set up the race")
+    data = recipe.load_data(args.dataset, args.data_dir, args.download)
+    batch = recipe.GLOBAL_BATCH // n
+    steps = args.epochs * len(data.train) // recipe.GLOBAL_BATCH  # synchronous steps
+    work, slow = args.work_ms / 1e3, args.work_ms / 1e3 * args.slow_factor
+    bounds = {"sync": recipe.GLOBAL_BATCH / slow,             # every step waits for the slowest
+              "async": batch * ((n - 1) / work + 1 / slow)}   # everyone at their own pace
+    ui.print(f"{n} workers x {batch} samples per batch; {args.epochs} epochs = "
+             f"{args.epochs * len(data.train):,} samples in each mode")
+    ui.print(f"simulated compute per batch: {args.work_ms:g} ms; worker {args.slow_rank}: "
+             f"{args.work_ms * args.slow_factor:g} ms")
+    ui.print(f"best case (compute only, no overhead): sync {bounds['sync']:,.0f} samples/s "
+             f"= N*B / slowest batch time; async {bounds['async']:,.0f} samples/s = the sum "
+             f"of every worker's own rate")
+    shared = make_shared(args, data, steps)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(choose_port(args.master_port))
+    if args.step:
+        ui.print("[dim]--step: the workers run without a terminal, so only this step pauses[/dim]")
+        ui.pause()
+    # mp.spawn logs a warning for each worker it stops after a failure; the one-line error
+    # from spawn() says the same, so keep the screen to that line.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    spawn(worker, (n, args, shared, bounds), n)
+
+
+def make_shared(args, data, steps: int) -> dict:
+    """Tensors, counters and barriers in shared memory: the workers write their statistics
+    here (and the asynchronous ones their model), rank 0 reads them when everyone is done."""
+    n = args.world_size
+    shared = {}
+    if args.mode in ("both", "sync"):
+        shared["sync"] = {"stats": torch.zeros(n, 6, dtype=torch.float64).share_memory_(),
+                          "losses": torch.zeros(steps, dtype=torch.float64).share_memory_()}
+    if args.mode in ("both", "async"):
+        total = steps * n  # one update per worker batch
+        model = recipe.make_model(args.seed, data.in_features, data.classes)
+        model.share_memory()  # the parameters move to shared memory: one copy for all workers
+        ctx = mp.get_context("spawn")  # mp.spawn's method; its Values and Barriers match it
+        shared["async"] = {
+            "model": model,
+            "next_batch": ctx.Value("l", 0),  # the next batch to hand out
+            "version": ctx.Value("l", 0),     # how many updates the shared model has had
+            "start_line": ctx.Barrier(n), "finish_line": ctx.Barrier(n),
+            "stats": torch.zeros(n, 6, dtype=torch.float64).share_memory_(),
+            "losses": torch.zeros(total, dtype=torch.float64).share_memory_(),
+            "staleness": torch.full((total,), -1, dtype=torch.int64).share_memory_(),
+            "owner": torch.full((total,), -1, dtype=torch.int64).share_memory_()}
+    return shared
+
+
+def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
+    torch.set_num_threads(1)  # N workers share the cores
+    ui = UI(rank, n)
+    data = recipe.load_data(args.dataset, args.data_dir, args.download)
+    results = {}
+
+    if "sync" in shared:
+        # Step 2: Train synchronously
+        # N processes in a gloo group, each with its own copy of the model. Each computes
+        # the gradient of its 96/N samples, all-reduce sums the N gradients (lesson 10) and
+        # every copy takes the same step. The all-reduce is also a barrier: nobody goes on
+        # before the slowest has arrived. DDP does the same inside backward(); we write it
+        # out to time the waiting.
+        ui.step(2, "Train synchronously")
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=n,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        model = train_sync(rank, n, args, data, ui, shared["sync"])
+        spread = replica_spread(model)  # are the N copies still identical?
+        if rank == 0:
+            steps = len(shared["sync"]["losses"])
+            results["sync"] = summarise(ui, "sync", model, data, shared["sync"], [0] * steps,
+                                        None, args)
+            results["sync"]["replicas_max_diff"] = spread
+            ui.print(f"all {n} copies ended identical (max difference {spread:.1e}), equal to "
+                     f"lesson 01's weights up to "
+                     f"{results['sync']['max_abs_diff_vs_single_device']:.1e}: synchronous "
+                     f"training is plain SGD on the global batch")
+            sync_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        dist.barrier()  # rank 0 has read everything before anyone leaves
+        del model
+        teardown()  # the asynchronous part needs no process group: memory is shared
+
+    if "async" in shared:
+        # Step 3: Train asynchronously (Hogwild)
+        # One model in shared memory, N processes. Each takes the next batch from a shared
+        # counter, computes its gradient on the weights as they are *now*, and applies it
+        # with its own optimizer: no lock, no waiting. A shared version counter tells each
+        # worker how many updates the others made in between: the staleness.
+        ui.step(3, "Train asynchronously (Hogwild)")
+        a = shared["async"]
+        train_async(rank, n, args, data, ui, a)
+        wait_at(a["finish_line"], rank, args, "the finish line")  # all updates are in
+        if rank == 0:
+            results["async"] = summarise(ui, "async", a["model"], data, a,
+                                         a["staleness"].tolist(), a["owner"].tolist(), args)
+            async_state = {k: v.detach().clone() for k, v in a["model"].state_dict().items()}
+    if rank != 0:
+        return
+
+    # Step 4: Compare
+    # Throughput is what asynchrony buys; staleness is what it costs; the loss and the
+    # accuracy say whether the cost mattered on this problem.
+    ui.step(4, "Compare")
+    modes = list(results)
+    shown_as = [("samples/s, all workers", "samples_per_second", "{:,.0f}"),
+                ("best case from step 1", "bound", "{:,.0f}"),
+                ("wall seconds", "wall_seconds", "{:.2f}"),
+                ("updates to the weights", "updates", "{:,}"),
+                ("mean staleness (updates)", "staleness_mean", "{:.2f}"),
+                ("max staleness", "staleness_max", "{:,}"),
+                ("train loss, last epoch", "last_epoch_loss", "{:.4f}"),
+                ("test loss", "test_loss", "{:.4f}"),
+                ("test accuracy", "final_accuracy", "{:.1%}"),
+                ("max |w - lesson 01's w|", "max_abs_diff_vs_single_device", "{:.1e}")]
+    for m in modes:
+        results[m]["bound"] = round(bounds[m], 1)
+    ui.table(f"Same samples, same start; worker {args.slow_rank} is {args.slow_factor:g}x slower",
+             [""] + modes, [[label] + [form.format(results[m][key]) for m in modes]
+                            for label, key, form in shown_as])
+    if len(modes) == 2:
+        speedup = results["async"]["samples_per_second"] / results["sync"]["samples_per_second"]
+        ui.print(f"async got through the samples {speedup:.1f}x faster (best case "
+                 f"{bounds['async'] / bounds['sync']:.1f}x) and reached "
+                 f"{results['async']['final_accuracy']:.1%} test accuracy against sync's "
+                 f"{results['sync']['final_accuracy']:.1%} (chance is {1 / data.classes:.0%})")
+
+    # Step 5: Save the results
+    # metrics.json's top-level fields describe the synchronous run (or the only run made),
+    # and "modes" holds both. final.pt holds the synchronous weights when there are any:
+    # they are the ones every rerun reproduces exactly.
+    ui.step(5, "Save the results")
+    folder = out_dir("11", args.out)
+    main_mode = modes[0]
+    r = results[main_mode]
+    save_results(folder, sync_state if main_mode == "sync" else async_state, make_metrics(
+        lesson="11", world_size=n, backend="gloo" if main_mode == "sync" else "shared-memory",
+        device="cpu", losses=r["losses"], final_accuracy=r["final_accuracy"],
+        wall_seconds=r["wall_seconds"], samples=r["samples"], mode=main_mode,
+        epochs=args.epochs, seed=args.seed, dataset=data.name, slow_rank=args.slow_rank,
+        slow_factor=args.slow_factor, work_ms=args.work_ms,
+        worker_batch=recipe.GLOBAL_BATCH // n,
+        modes={m: {k: v for k, v in results[m].items() if k != "losses"} for m in modes}))
+    ui.print(f"wrote {shown(folder / 'final.pt')} ({main_mode} weights) and "
+             f"{shown(folder / 'metrics.json')}")
+
+
+def simulate_work(rank: int, args) -> None:
+    """The worker's compute beyond our tiny MLP: a sleep, so that the timing shows the
+    algorithm rather than N processes fighting over 2 cores."""
+    factor = args.slow_factor if rank == args.slow_rank else 1.0
+    time.sleep(args.work_ms / 1e3 * factor)
+
+
+def train_sync(rank: int, n: int, args, data, ui: UI, sh: dict):
+    """Step 2's loop: local gradient, all-reduce (wait for everyone), identical step."""
+    stats, losses = sh["stats"], sh["losses"]
+    model = recipe.make_model(args.seed, data.in_features, data.classes)  # same seed: same start
+    optimizer = recipe.make_optimizer(model)
+    params = list(model.parameters())
+    x_all, y_all = data.train.tensors
+    per_epoch = len(y_all) // recipe.GLOBAL_BATCH
+    step = 0
+    dist.barrier()  # everyone has loaded: start the clock together
+    start = time.time()
+    for epoch in range(args.epochs):
+        order = torch.tensor(recipe.epoch_order(len(y_all), args.seed, epoch))
+        for k in range(per_epoch):
+            # rank r's share of global batch k: positions r, r+N, ... (DistributedSampler's)
+            idx = order[k * recipe.GLOBAL_BATCH + rank:(k + 1) * recipe.GLOBAL_BATCH:n]
+            t0 = time.time()
+            loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            simulate_work(rank, args)
+            t1 = time.time()
+            # one message per step: every gradient, flattened, and the loss at the end
+            flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().view(1)])
+            try:
+                dist.all_reduce(flat)  # SUM; returns once the slowest worker has sent too
+            except RuntimeError as exc:
+                if "Timed out" not in str(exc):
+                    raise
+                raise RuntimeError(
+                    f"rank {rank} waited more than --timeout {args.timeout:g}s in all-reduce at "
+                    f"step {step}: a synchronous step waits for the slowest worker (worker "
+                    f"{args.slow_rank}: {args.work_ms * args.slow_factor:g} ms per batch); "
+                    f"raise --timeout or lower --slow-factor") from None
+            flat /= n  # the mean of N means over 96/N samples = the mean over 96 samples
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            optimizer.step()  # the same gradient on every copy: the same step
+            t2 = time.time()
+            stats[rank, BUSY] += t1 - t0
+            stats[rank, WAIT] += t2 - t1
+            stats[rank, SAMPLES] += len(idx)
+            stats[rank, UPDATES] += 1
+            if rank == 0:
+                losses[step] = flat[-1].item()  # the global batch's loss
+            step += 1
+        if rank == 0:
+            ui.log(epoch + 1, step, args.epochs * per_epoch,
+                   losses[step - per_epoch:step].mean().item(),
+                   step * recipe.GLOBAL_BATCH / (time.time() - start))
+    stats[rank, START], stats[rank, END] = start, time.time()
+    return model
+
+
+def replica_spread(model) -> float:
+    """Largest difference between any rank's weights and rank 0's (0.0 when in lockstep)."""
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rank0 = mine.clone()
+    dist.broadcast(rank0, src=0)
+    gap = (mine - rank0).abs().max().view(1)
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return gap.item()
+
+
+def train_async(rank: int, n: int, args, data, ui: UI, sh: dict) -> None:
+    """Step 3's loop: next batch from a shared counter, gradient, lock-free update."""
+    model, next_batch, version = sh["model"], sh["next_batch"], sh["version"]
+    stats, losses, staleness, owner = sh["stats"], sh["losses"], sh["staleness"], sh["owner"]
+    # Each worker has its own optimizer (and momentum buffers) over the *shared* parameters.
+    # lr / N: N updates of 96/N samples then move the weights as far as one synchronous
+    # update of 96 samples: both runs take the same step per sample.
+    optimizer = torch.optim.SGD(model.parameters(), lr=recipe.LR / n, momentum=recipe.MOMENTUM)
+    x_all, y_all = data.train.tensors
+    batch = recipe.GLOBAL_BATCH // n
+    per_epoch = len(y_all) // batch
+    total = args.epochs * per_epoch
+    orders = [torch.tensor(recipe.epoch_order(len(y_all), args.seed, e))
+              for e in range(args.epochs)]
+    wait_at(sh["start_line"], rank, args, "the start line")  # start the clock together
+    start = time.time()
+    while True:
+        with next_batch.get_lock():  # every batch is handed out exactly once
+            b = next_batch.value
+            next_batch.value += 1
+        if b >= total:
+            break
+        epoch, k = divmod(b, per_epoch)
+        idx = orders[epoch][k * batch:(k + 1) * batch]  # the same samples as the sync run
+        read = version.value  # the weights we are about to read have had this many updates
+        t0 = time.time()
+        loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()   # the gradient lands in this process's own .grad tensors
+        simulate_work(rank, args)
+        stats[rank, BUSY] += time.time() - t0
+        optimizer.step()  # writes straight into the shared weights: no lock (Hogwild)
+        with version.get_lock():
+            staleness[b] = version.value - read  # updates by the others since we read
+            version.value += 1
+        losses[b] = loss.item()
+        owner[b] = rank
+        stats[rank, SAMPLES] += len(idx)
+        stats[rank, UPDATES] += 1
+        if (b + 1) % per_epoch == 0:  # whoever finishes an epoch's last batch reports it
+            ui.say_all(f"epoch {epoch + 1:>2} | update {b + 1:>4}/{total} | loss "
+                       f"{loss.item():.4f} | {(b + 1) * batch / (time.time() - start):>9,.0f} "
+                       f"samples/s")
+    stats[rank, START], stats[rank, END] = start, time.time()
+
+
+def wait_at(barrier, rank: int, args, where: str) -> None:
+    """A multiprocessing barrier with the lesson's timeout, and an error that says so."""
+    try:
+        barrier.wait(timeout=args.timeout)
+    except threading.BrokenBarrierError:
+        raise RuntimeError(f"worker {rank} waited more than --timeout {args.timeout:g}s at "
+                           f"{where} for the other workers") from None
+
+
+def summarise(ui: UI, mode: str, model, data, sh: dict, staleness: list, owner, args) -> dict:
+    """Rank 0, once everyone is done: a per-worker table and the numbers of step 4."""
+    stats, losses = sh["stats"], sh["losses"].tolist()
+    n = stats.shape[0]
+    wall = (stats[:, END].max() - stats[:, START].min()).item()
+    owner = owner or [None] * len(staleness)  # sync: every update is everyone's
+    rows = []
+    for r in range(n):
+        mine = [s for s, o in zip(staleness, owner) if o in (r, None)]
+        rows.append([r, int(stats[r, UPDATES]), int(stats[r, SAMPLES]),
+                     f"{stats[r, SAMPLES].item() / wall:,.0f}",
+                     f"{stats[r, BUSY].item() / wall:.0%}",
+                     f"{stats[r, WAIT].item() / wall:.0%}" if mode == "sync" else "-",
+                     f"{sum(mine) / max(len(mine), 1):.1f}", max(mine, default=0)])
+    ui.table(f"{mode}: per worker, {wall:.2f} s wall",
+             ["worker", "updates", "samples", "samples/s", "computing", "waiting",
+              "staleness", "max"], rows)
+    with torch.no_grad():
+        x, y = data.test.tensors
+        test_loss = F.cross_entropy(model(x), y).item()
+    last = losses[-(len(losses) // args.epochs):]  # the updates of the last epoch
+    reference = recipe.train_reference(args.seed, args.epochs, data)  # lesson 01's weights
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    samples = int(stats[:, SAMPLES].sum())
+    return {
+        "samples": samples,
+        "samples_per_second": round(samples / wall, 1),
+        "wall_seconds": round(wall, 3),
+        "updates": len(losses),
+        "staleness_mean": round(sum(staleness) / len(staleness), 3),
+        "staleness_max": int(max(staleness)),
+        "last_epoch_loss": round(sum(last) / len(last), 4),
+        "test_loss": round(test_loss, 4),
+        "final_accuracy": recipe.accuracy(model, data.test, torch.device("cpu")),
+        "max_abs_diff_vs_single_device": max_abs_diff(state, reference),
+        "per_worker": [{"worker": r, "updates": int(stats[r, UPDATES]),
+                        "samples": int(stats[r, SAMPLES]),
+                        "samples_per_second": round(stats[r, SAMPLES].item() / wall, 1),
+                        "busy_fraction": round(stats[r, BUSY].item() / wall, 3),
+                        "wait_fraction": round(stats[r, WAIT].item() / wall, 3),
+                        "staleness_mean": round(sum(s for s, o in zip(staleness, owner)
+                                                    if o in (r, None))
+                                                / max(1, sum(o in (r, None) for o in owner)), 3)}
+                       for r in range(n)],
+        "losses": losses,
+    }
+
+
+if __name__ == "__main__":
+    run(main)
