@@ -255,6 +255,7 @@ def train_sync(rank: int, n: int, args, data, ui: UI, sh: dict):
     per_epoch = len(y_all) // recipe.GLOBAL_BATCH
     step = 0
     dist.barrier()  # everyone has loaded: start the clock together
+    ui.print(f"{n} workers joined the gloo group and loaded the data: the clock starts")
     start = time.time()
     for epoch in range(args.epochs):
         order = torch.tensor(recipe.epoch_order(len(y_all), args.seed, epoch))
@@ -326,6 +327,7 @@ def train_async(rank: int, n: int, args, data, ui: UI, sh: dict) -> None:
     orders = [torch.tensor(recipe.epoch_order(len(y_all), args.seed, e))
               for e in range(args.epochs)]
     wait_at(sh["start_line"], rank, args, "the start line")  # start the clock together
+    ui.print(f"{n} workers share one model and loaded the data: the clock starts")
     start = time.time()
     while True:
         with next_batch.get_lock():  # every batch is handed out exactly once
