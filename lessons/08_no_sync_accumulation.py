@@ -33,7 +33,7 @@ from common.cli import fail, lesson_parser, positive_float, positive_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import choose_port, spawn, teardown
 from common.results import make_metrics, max_abs_diff, out_dir, save_results, shown
-from common.ui import UI, Timer
+from common.ui import UI, Timer, share_terminal_with_children
 
 MAX_WORLD = 16  # more ranks than this on one machine teaches nothing but waiting
 
@@ -78,14 +78,14 @@ def main() -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(choose_port(args.master_port))
     ui.print(f"mp.spawn(worker, nprocs={args.world_size}) with MASTER_PORT={os.environ['MASTER_PORT']}")
-    if args.step:
-        ui.print("[dim]--step: the ranks are spawned without a terminal, so only this step pauses[/dim]")
-        ui.pause()
+    # --step: the children get /dev/null as stdin, so tell rank 0 which terminal to ask on
+    share_terminal_with_children()
+    ui.pause(next_step=(2, "Join the process group"))
     spawn(worker, args=(args.world_size, args, kind), nprocs=args.world_size)
 
 
 def worker(rank: int, world_size: int, args, kind: str) -> None:
-    ui = UI(rank, world_size)
+    ui = UI(rank, world_size, step_mode=args.step)
     share_cpu(world_size)
     accum = args.accum_steps
 
