@@ -52,6 +52,7 @@ def test_default_run_matches_lesson_01(tmp_path, reference_3_epochs):
         assert device0 > 1.3 * load[1]["bytes_replica"] and load[1]["bytes_device0_only"] == 0
         assert all(metrics["stage_ms_per_step"][s] > 0 for s in ("scatter", "replicate",
                                                                   "gather", "backward"))
+        assert metrics["threads_forward_ms"] > 0 and metrics["one_thread_forward_ms"] > 0
 
 
 def test_three_devices_one_epoch(tmp_path):
