@@ -19,7 +19,8 @@ STEP_FLAG := $(if $(filter-out 0,$(STEP)),--step)
 RUN_06 := -m common.nodes --nnodes 2 --nproc-per-node 2 --
 RUN_07 := -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
 
-.PHONY: help venv lessons test clean distclean docs-output diff
+# check-% and lesson-% are pattern rules
+.PHONY: checks help venv lessons test clean distclean docs-output diff
 
 help:
 	@echo "Distributed PyTorch, Step by Step"
@@ -33,6 +34,7 @@ help:
 	@echo
 	@echo "Other targets:"
 	@echo "  make lessons     run every lesson in order, with its defaults"
+	@echo "  make check-NN   check your answer to lesson NN's exercise (make checks lists them)"
 	@echo "  make diff FROM=04 TO=05  what changed between two lessons' code"
 	@echo "  make test       run the test suite (pytest, CPU only, a few minutes)"
 	@echo "  make docs-output  rerun the commands whose output the docs show (DOCS=docs/01_*.md)"
@@ -57,6 +59,12 @@ lesson-%:
 	fi; \
 	{ [ $(STAMP) -nt requirements.txt ] || $(MAKE) --no-print-directory $(STAMP); } && \
 	$(PY) $(RUN_$*) $$f $(STEP_FLAG) $(ARGS)
+
+check-%: $(STAMP)  ## check a learner's exercise: make check-05 [FILE=path]
+	@$(PY) tools/check_exercise.py $* $(FILE)
+
+checks: $(STAMP)
+	@$(PY) tools/check_exercise.py list
 
 lessons: $(STAMP)
 	@set -e; for n in $(LESSON_NUMS); do $(MAKE) --no-print-directory lesson-$$n; done
