@@ -85,9 +85,20 @@ def torchrun_command(args, node_rank: int, port: int, script: list[str]) -> list
 GLOG = re.compile(r"^[EWI]\d{4} [\d:.]+ +\d+ \S+:\d+\] ?")  # torch's log-line header
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # torch prefixes workers' tracebacks with it
 NOISE = re.compile(r"^(frame #\d+:|<omitting python frames>|Exception raised from )")
+# With --elastic the agents log at INFO (see ELASTIC_ENV); of those lines the terminal shows
+# only the agent's decisions to restart, the rest stays in runs/nodes/node-N.log.
+INFO_SHOWN = re.compile(r"will restart worker group")
+
+# --elastic only. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: by default (torch 2.14.1) the c10d
+# agent keeps one TCPStore for the whole job and lends it to the workers of every attempt,
+# so a restarted process group can read the previous attempt's addresses and fail with
+# "Gloo connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712; measured
+# here: 4 of 8 restarts failed so, 0 of 8 with this variable). With it, rank 0 of each
+# attempt hosts a fresh store. LOGLEVEL=INFO: the agent says when it restarts the workers.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"}
 
 
-def pump(node: int, stream, log_path: Path, seen: dict) -> None:
+def pump(node: int, stream, log_path: Path, seen: dict, hide_info: bool = False) -> None:
     """Copy an agent's stderr to ours with a [node N] prefix.
 
     The log file gets every line; the terminal gets them without Python tracebacks and C++
@@ -119,6 +130,8 @@ def pump(node: int, stream, log_path: Path, seen: dict) -> None:
                 in_traceback = False  # the exception line itself ends the traceback
                 seen[node] = text.strip()
             if NOISE.match(text):
+                continue
+            if hide_info and line.startswith("I") and GLOG.match(line) and not INFO_SHOWN.search(line):
                 continue
             sys.stderr.write(f"[node {node}] {line}")
             sys.stderr.flush()
@@ -160,9 +173,11 @@ def main(argv: list[str]) -> None:
     procs = []
     for node in nodes:
         cmd = torchrun_command(args, node, port, script)
-        print(f"  node {node}: {shlex.join(cmd)}", flush=True)
+        extra = {k: v for k, v in ELASTIC_ENV.items() if k not in os.environ} if args.elastic else {}
+        shown_env = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 " if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in extra else ""
+        print(f"  node {node}: {shown_env}{shlex.join(cmd)}", flush=True)
         # `python -m torch.distributed.run` is what the `torchrun` script runs
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
         procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *cmd[1:]],
                                       cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
                                       start_new_session=True))  # own group: we can stop it whole
@@ -170,8 +185,9 @@ def main(argv: list[str]) -> None:
     print(flush=True)
 
     last_error: dict = {}  # node -> its last exception line
-    pumps = [threading.Thread(target=pump, args=(n, p.stderr, log_dir / f"node-{n}.log", last_error),
-                              daemon=True) for n, p in zip(nodes, procs)]
+    hide_info = args.elastic and "LOGLEVEL" not in os.environ  # we raised it: show only restarts
+    pumps = [threading.Thread(target=pump, args=(n, p.stderr, log_dir / f"node-{n}.log", last_error,
+                                                 hide_info), daemon=True) for n, p in zip(nodes, procs)]
     for t in pumps:
         t.start()
 

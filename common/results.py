@@ -38,9 +38,10 @@ def atomic_write(path: Path, write) -> None:
 
 
 def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """CPU copies of the weights without wrapper prefixes such as DDP's `module.`."""
-    while hasattr(model, "module"):  # DDP and DataParallel keep the real model in .module
-        model = model.module
+    """CPU copies of the weights without wrapper prefixes (DDP's `module.`, compile's `_orig_mod.`)."""
+    from common.checkpoint import unwrap  # lesson 09 explains the wrappers
+
+    model = unwrap(model)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
