@@ -1,0 +1,11 @@
+"""The benchmark suite: measured speedups and costs of the lessons' techniques (`make bench`).
+
+    run.py      the command line: plans the runs, starts the ranks, writes results.json
+    measure.py  what every rank runs: DDP throughput, bucketing, no_sync, all-reduce timings
+    report.py   the tables (printed with rich, and reused by the doc) and the PNG plots
+    doc.py      docs/PERFORMANCE.md, generated from results.json (never typed by hand)
+
+Every number is the median of several timed repetitions after a warm-up, with the
+min-max spread beside it; a repetition of a multi-rank benchmark lasts as long as its
+slowest rank.
+"""

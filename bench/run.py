@@ -1,0 +1,311 @@
+"""The benchmark suite: measured speedups and costs, not claims.
+
+Run:
+    make bench                               # the full suite, about 5 minutes on 2 cores
+    make bench ARGS="--quick"                # a fast smoke run (what the tests use)
+    python -m bench.run --only scaling --reps 7
+    python -m bench.run --write-doc          # docs/PERFORMANCE.md from runs/bench/results.json
+
+Writes runs/bench/results.json (machine, every benchmark's settings, every repetition, the
+median, min and max), prints the tables, draws PNG plots when matplotlib is installed
+(`.venv/bin/pip install -r requirements-bench.txt`), and after a full run regenerates
+docs/PERFORMANCE.md from the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `import common` from anywhere
+
+import torch
+
+from common.cli import ROOT, LessonParser, fail, positive_float, positive_int, run
+from common.distributed import free_port, spawn
+from common.results import atomic_write, shown
+from common.ui import UI
+
+BENCHMARKS = ["scaling", "bucketing", "allreduce", "no_sync", "gpu"]
+REQUIRED_SPEEDUP_2 = 1.6  # issue 8: 2 ranks >= 1.6x one rank on the 2-core CPU machine
+MAX_CPU_RANKS = 8
+
+
+def make_plan(args) -> dict:
+    """What to run, at which size. --quick shrinks everything but keeps every benchmark."""
+    quick = args.quick
+    plan = {
+        "mode": "quick" if quick else "full",
+        "reps": args.reps or (3 if quick else 5),
+        "warmup": 1 if args.warmup is None else args.warmup,
+        "threads_per_rank": args.threads,
+        "timeout": args.timeout,
+        # The recipe's MLP, wide enough that arithmetic, not communication, dominates a
+        # step. Strong scaling: the global batch is the same for every world size.
+        "scaling": {"hidden": 256 if quick else 1024, "global_batch": 256 if quick else 1024,
+                    "steps": 2 if quick else 4},
+        "bucketing": {"hidden": 128 if quick else 512, "layers": 4 if quick else 8,
+                      "global_batch": 128 if quick else 512, "steps": 2 if quick else 4,
+                      "caps": [0.001, None, 100.0] if quick else [0.001, 1.0, None, 100.0],
+                      "deferred_caps": [None] if quick else [1.0, None]},
+        "no_sync": {"accum": 4, "configs": [
+            {"name": "compute-bound", "hidden": 256 if quick else 1024,
+             "global_batch": 256 if quick else 1024, "steps": 2 if quick else 3},
+            {"name": "communication-bound", "hidden": 64, "global_batch": 96,
+             "steps": 4 if quick else 20},
+        ]},
+        "allreduce": {"worlds": [2, 3] if quick else [2, 3, 4],
+                      "sizes": [1_000, 10_001] if quick else
+                      [1_000, 10_000, 100_000, 1_000_000, 4_000_000],
+                      "rep_seconds": 0.005 if quick else 0.03, "max_inner": 20 if quick else 200},
+        "gpu": {"hidden": 512 if quick else 4096, "global_batch": 1024 if quick else 16384,
+                "steps": 2 if quick else 10,
+                "allreduce_sizes": [1_000_000] if quick else [1_000_000, 16_000_000, 64_000_000],
+                "allreduce_inner": 2 if quick else 10},
+    }
+    cpus = os.cpu_count() or 1
+    # 1 and 2 ranks always (the comparison the suite is about); more while cores allow
+    top = min(cpus, args.max_ranks)
+    worlds = [1, 2] + [n for n in (4, 8, 16) if n <= top]
+    plan["scaling"]["worlds"] = [n for n in worlds if plan["scaling"]["global_batch"] % n == 0]
+    wanted = set(args.only or BENCHMARKS)
+    phases = []
+    if "scaling" in wanted:
+        phases += [("scaling", n) for n in plan["scaling"]["worlds"]]
+    if "bucketing" in wanted:
+        phases.append(("bucketing", 2))
+    if "no_sync" in wanted:
+        phases.append(("no_sync", 2))
+    if "allreduce" in wanted:
+        phases += [("allreduce", n) for n in plan["allreduce"]["worlds"]]
+    plan["phases"] = phases
+    plan["benchmarks"] = sorted(wanted, key=BENCHMARKS.index)
+    return plan
+
+
+def machine_info() -> dict:
+    """Where the numbers came from: they mean little without it."""
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cpu_model = cpu_model or platform.processor() or platform.machine()
+    gpus = []
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    memory_gb = None
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+        memory_gb = round(kb / 1024 / 1024, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_gb": memory_gb,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": gpus,
+        "load_average_start": load_average(),
+    }
+
+
+def load_average() -> list[float] | None:
+    """1, 5 and 15-minute load: above the core count, other work shared our cores."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def spawn_ranks(worker, world: int, plan: dict) -> dict:
+    """Start `world` ranks on a free local port; rank 0 leaves its results in a file."""
+    from bench import measure  # noqa: F401  (the workers live there)
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    # after a failure mp.spawn logs one warning per rank it stops; our one-line error
+    # from spawn() says the same
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        path = os.path.join(tmp, "ranks.json")
+        spawn(worker, (world, plan, path), world)
+        if not os.path.exists(path):
+            fail("the benchmark ranks exited without writing their results", code=1)
+        return json.loads(Path(path).read_text())
+
+
+def derive_scaling(rows: list[dict], cpus: int, threads: int) -> dict:
+    """Speedup and efficiency against one DDP rank: efficiency = X_N / (N * X_1)."""
+    ddp = {r["world_size"]: r for r in rows if r["variant"] == "ddp"}
+    base = ddp.get(1)
+    for r in rows:
+        if base and r["variant"] == "ddp":
+            r["speedup"] = round(r["samples_per_s"]["median"] / base["samples_per_s"]["median"], 3)
+            r["efficiency"] = round(r["speedup"] / r["world_size"], 3)
+    check = {"world_size": 2, "required_speedup": REQUIRED_SPEEDUP_2,
+             "applies": cpus == 2 and threads == 1,
+             "speedup": ddp[2].get("speedup") if 2 in ddp else None}
+    check["met"] = check["speedup"] is not None and check["speedup"] >= REQUIRED_SPEEDUP_2
+    return check
+
+
+def derive_no_sync(rows: list[dict]) -> None:
+    by = {(r["config"], r["method"]): r for r in rows}
+    for (config, method), r in by.items():
+        naive = by.get((config, "naive"))
+        if method == "no_sync" and naive:
+            r["saved_fraction"] = round(1 - r["step_ms"]["median"] / naive["step_ms"]["median"], 3)
+
+
+def parse_args():
+    parser = LessonParser(description="The benchmark suite: measured DDP speedups and costs",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes and few repetitions: checks the suite runs (tests)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench",
+                        help="folder for results.json and the PNG plots")
+    parser.add_argument("--only", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                        default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    parser.add_argument("--reps", type=positive_int, default=None,
+                        help="timed repetitions per measurement (default 5, --quick 3)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed warm-up repetitions before them (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch threads per rank (1: ranks never compete for a core)")
+    parser.add_argument("--max-ranks", type=positive_int, default=MAX_CPU_RANKS,
+                        help="most CPU ranks for DDP scaling (also capped by the core count)")
+    parser.add_argument("--timeout", type=positive_float, default=120.0,
+                        help="seconds a collective may wait before the run fails")
+    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "PERFORMANCE.md",
+                        help="the Markdown report a full run regenerates")
+    parser.add_argument("--no-doc", action="store_true",
+                        help="do not regenerate --doc after a full run")
+    parser.add_argument("--write-doc", action="store_true",
+                        help="measure nothing: regenerate --doc from --out/results.json")
+    parser.add_argument("--strict", action="store_true",
+                        help=f"exit 1 when 2 ranks reach less than {REQUIRED_SPEEDUP_2}x one "
+                             f"rank on a 2-core machine")
+    args = parser.parse_args()
+    unknown = sorted(set(args.only or []) - set(BENCHMARKS))
+    if unknown:
+        fail(f"--only {','.join(unknown)}: no such benchmark; choose from {','.join(BENCHMARKS)}")
+    if args.warmup is not None and args.warmup < 0:
+        fail(f"--warmup {args.warmup}: expected 0 or more")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    ui = UI()
+    results_path = args.out / "results.json"
+    if args.write_doc:
+        from bench import doc
+        if not results_path.exists():
+            fail(f"{shown(results_path)} does not exist; run `make bench` first")
+        written = doc.write_doc(results_path, args.doc)
+        ui.print(f"wrote {shown(written)} from {shown(results_path)}")
+        return
+
+    from bench import measure, report
+
+    started = time.perf_counter()
+    plan = make_plan(args)
+    machine = machine_info()
+    ui.title(f"Benchmarks ({plan['mode']}): {', '.join(plan['benchmarks'])}")
+    ui.print(f"{machine['cpu_model']}, {machine['cpu_count']} cores, torch {machine['torch']}, "
+             f"GPUs: {', '.join(machine['gpus']) or 'none'}; load average "
+             f"{machine['load_average_start']}")
+    ui.print(f"{plan['threads_per_rank']} thread(s) per rank; each number is the median of "
+             f"{plan['reps']} repetitions after {plan['warmup']} warm-up")
+    cpus = machine["cpu_count"] or 1
+    if machine["load_average_start"] and machine["load_average_start"][0] > 0.5 * cpus:
+        ui.print(f"[yellow]note:[/yellow] the machine is busy (load {machine['load_average_start'][0]} "
+                 f"on {cpus} cores): the timings will be disturbed")
+
+    results: dict = {"schema": 1, "mode": plan["mode"], "machine": machine,
+                     "settings": {k: plan[k] for k in ("reps", "warmup", "threads_per_rank",
+                                                       "timeout")},
+                     "command": "python -m bench.run " + " ".join(sys.argv[1:]),
+                     "benchmarks": {}}
+    bench = results["benchmarks"]
+
+    if plan["phases"]:
+        world = max(n for _, n in plan["phases"])
+        ui.print(f"starting {world} CPU ranks (gloo); every benchmark runs on the first n of them")
+        got = spawn_ranks(measure.cpu_worker, world, plan)
+        if "scaling" in plan["benchmarks"]:
+            check = derive_scaling(got["scaling"], cpus, plan["threads_per_rank"])
+            bench["scaling"] = {"config": {k: v for k, v in plan["scaling"].items()},
+                                "model": "recipe.MLP", "strong_scaling": True,
+                                "rows": got["scaling"], "check": check}
+        if "bucketing" in plan["benchmarks"]:
+            probe = measure.deep_mlp(plan["bucketing"]["hidden"], plan["bucketing"]["layers"])
+            bench["bucketing"] = {"config": {**plan["bucketing"],
+                                             "param_bytes": measure.param_bytes(probe),
+                                             "default_bucket_cap_mb": measure.DEFAULT_BUCKET_CAP_MB,
+                                             "default_first_bucket_bytes":
+                                                 torch.distributed._DEFAULT_FIRST_BUCKET_BYTES},
+                                  "model": "deep_mlp", "rows": got["bucketing"]}
+        if "no_sync" in plan["benchmarks"]:
+            derive_no_sync(got["no_sync"])
+            bench["no_sync"] = {"config": plan["no_sync"], "model": "recipe.MLP",
+                                "rows": got["no_sync"]}
+        if "allreduce" in plan["benchmarks"]:
+            bench["allreduce"] = {"config": plan["allreduce"], "backend": "gloo",
+                                  "source": "lessons/10_allreduce_algorithms.py",
+                                  "rows": got["allreduce"]}
+
+    if "gpu" in plan["benchmarks"]:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            bench["gpu"] = {"skipped": "no GPU on this machine"}
+            ui.print("gpu: skipped: no GPU on this machine")
+        else:
+            cfg = dict(plan["gpu"])
+            cfg["worlds"] = [n for n in (1, 2, 4, 8, 16) if n <= gpus and cfg["global_batch"] % n == 0]
+            gpu_plan = {**plan, "gpu": cfg}
+            ui.print(f"starting {gpus} GPU ranks (NCCL)")
+            got = spawn_ranks(measure.gpu_worker, gpus, gpu_plan)
+            derive_scaling(got["scaling"], cpus, plan["threads_per_rank"])
+            bench["gpu"] = {"config": cfg, "backend": "nccl", "gpus": gpus, **got}
+            if gpus < 2:
+                bench["gpu"]["dataparallel_skipped"] = "DataParallel vs DDP needs 2 or more GPUs"
+
+    machine["load_average_end"] = load_average()
+    results["wall_seconds"] = round(time.perf_counter() - started, 1)
+    text = json.dumps(results, indent=1) + "\n"
+    atomic_write(results_path, lambda f: f.write(text.encode()))
+
+    report.print_tables(ui, results)
+    plots, note = report.draw_plots(results, args.out)
+    ui.print(f"\nwrote {shown(results_path)}" + (f" and {len(plots)} plots" if plots else ""))
+    if note:
+        ui.print(f"[yellow]plots:[/yellow] {note}")
+    if plan["mode"] == "full" and not args.no_doc and not args.only:
+        from bench import doc
+        ui.print(f"wrote {shown(doc.write_doc(results_path, args.doc))}")
+    ui.print(f"the suite took {results['wall_seconds']:.0f} s")
+    check = bench.get("scaling", {}).get("check")
+    if args.strict and check and check["applies"] and not check["met"]:
+        fail(f"2 ranks reached {check['speedup']}x one rank's throughput; "
+             f"at least {REQUIRED_SPEEDUP_2}x is required on a 2-core machine", code=1)
+
+
+if __name__ == "__main__":
+    run(main)
