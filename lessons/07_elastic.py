@@ -66,9 +66,10 @@ def nonnegative_float(text: str) -> float:
 @record  # torchrun's failure summary shows our exception, not only "exit code 1" (lesson 06)
 def main() -> None:
     parser = lesson_parser(__doc__, distributed=True)
-    parser.add_argument("--fail-at-step", type=nonnegative_int, default=45,
+    parser.add_argument("--fail-at-step", type=nonnegative_int, default=None,
                         help="on the first attempt only, one rank kills itself (SIGKILL) when it "
-                             "reaches this global step; 0 = never")
+                             "reaches this global step; 0 = never (default: a little before "
+                             "half-way: step 45 of 96)")
     parser.add_argument("--fail-rank", type=nonnegative_int, default=None,
                         help="the global rank that dies at --fail-at-step (default: the last rank)")
     parser.add_argument("--snapshot-every", type=positive_int, default=10,
@@ -105,15 +106,13 @@ def main() -> None:
     fail_rank = world_size - 1 if args.fail_rank is None else args.fail_rank
     if fail_rank >= world_size:
         fail(f"--fail-rank {fail_rank} does not exist in a world of {world_size} (ranks 0..{world_size - 1})")
-    fail_at = args.fail_at_step if restart_count == 0 else 0  # a failure on the first attempt only
     ui.print(f"TORCHELASTIC_RESTART_COUNT={restart_count} TORCHELASTIC_MAX_RESTARTS={max_restarts} "
-             f"WORLD_SIZE={world_size} RANK 0 on {socket.gethostname()}")
-    if fail_at and not launched:
-        ui.print(f"[yellow]note:[/yellow] --fail-at-step {fail_at} ignored: without torchrun nobody "
-                 f"would restart us (try make lesson-07)")
-        fail_at = 0
-    elif fail_at:
-        ui.print(f"rank {fail_rank} will kill itself (SIGKILL) at step {fail_at} of this attempt")
+             f"WORLD_SIZE={world_size} TORCHELASTIC_RUN_ID={os.environ.get('TORCHELASTIC_RUN_ID', '-')}")
+    if max_restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # measured here: without it, about half of the restarts failed to connect (see the doc)
+        ui.print("[yellow]note:[/yellow] torchrun lends its store to every attempt, so a restarted "
+                 "group can read the last attempt's addresses (pytorch/pytorch#135712); start "
+                 "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (common.nodes does)")
 
     # Step 2: Join the process group
     # As in lesson 06. Every attempt joins a *new* process group: the old one died with the
@@ -149,6 +148,10 @@ def main() -> None:
     per_rank = recipe.GLOBAL_BATCH // world_size
     steps_per_epoch = len(data.train) // recipe.GLOBAL_BATCH
     total_steps = args.epochs * steps_per_epoch
+    if args.fail_at_step is not None and args.fail_at_step > total_steps:
+        fail(f"--fail-at-step {args.fail_at_step} is beyond the last step ({total_steps}); "
+             f"use 1..{total_steps}, or 0 for no failure")
+    fail_step = max(1, total_steps // 2 - 3) if args.fail_at_step is None else args.fail_at_step
     model = recipe.make_model(args.seed, data.in_features, data.classes).to(device)
     optimizer = recipe.make_optimizer(model)
     losses: list[float] = []
@@ -199,12 +202,18 @@ def main() -> None:
             fail(f"snapshot {shown(snapshot_path)} {why}; delete it or pass --fresh to start over",
                  code=1)
 
+        def brief(exc: Exception) -> str:  # an exception on one short line
+            return f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+
         try:
             snap = torch.load(snapshot_path, map_location=device, weights_only=True)
         except Exception as exc:  # truncated, not a torch file, or objects weights_only refuses
-            refuse(f"cannot be read ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]})")
+            refuse(f"cannot be read ({brief(exc)})")
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
             refuse(f"is not a lesson-07 snapshot of format {SNAPSHOT_FORMAT}")
+        missing = sorted(set(snapshot(0)) - set(snap))  # keys a snapshot of ours would have
+        if missing:
+            refuse(f"lacks {', '.join(missing)}")
         for key, ours in (("seed", args.seed), ("dataset", data.name),
                           ("global_batch", recipe.GLOBAL_BATCH)):
             if snap.get(key) != ours:
@@ -216,14 +225,16 @@ def main() -> None:
             model.load_state_dict(snap["model"])
             optimizer.load_state_dict(snap["optimizer"])
         except (RuntimeError, KeyError, ValueError) as exc:
-            refuse(f"does not fit this model ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]})")
+            refuse(f"does not fit this model ({brief(exc)})")
         start_step = snap["global_step"]
         losses = list(snap["losses"])
         ledger = list(snap["samples"].cpu())
+        if restart_count == 0:  # a new job, not a restart: say why it does not start at 0
+            ui.print(f"found a snapshot left by an earlier job that did not finish; "
+                     f"--fresh would delete it and start over")
         ui.print(f"[bold]attempt {restart_count + 1} (restart count {restart_count}): resuming from "
                  f"snapshot at epoch {snap['epoch'] + 1} step {snap['step_in_epoch']}/{steps_per_epoch}"
-                 f"[/bold] (global step {start_step}, saved by attempt {snap['restart_count'] + 1} "
-                 f"with {snap['world_size']} worker(s))")
+                 f"[/bold] (global step {start_step}, saved with {snap['world_size']} worker(s))")
     else:
         ui.print(f"attempt {restart_count + 1} (restart count {restart_count}): no snapshot, "
                  f"starting from step 0")
@@ -234,6 +245,13 @@ def main() -> None:
     # snapshot already holds, so no sample is seen twice or skipped. (2) Every
     # --snapshot-every steps rank 0 saves. (3) On the first attempt one rank dies abruptly.
     ui.step(5, "Train from where the snapshot left off")
+    fail_at = fail_step if restart_count == 0 else 0  # a failure on the first attempt only
+    if fail_at and not launched:
+        ui.print(f"[yellow]note:[/yellow] --fail-at-step {fail_at} ignored: without torchrun nobody "
+                 f"would restart us (try make lesson-07)")
+        fail_at = 0
+    elif fail_at and fail_at > start_step:
+        ui.print(f"rank {fail_rank} will kill itself (SIGKILL) at step {fail_at} of this attempt")
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank,
                                  shuffle=True, seed=args.seed)
@@ -270,8 +288,9 @@ def main() -> None:
                 bar.advance()
                 if global_step % args.snapshot_every == 0 and rank == 0:
                     save_snapshot(global_step)
+                    rate = timer.rate((global_step - start_step) * recipe.GLOBAL_BATCH)
                     ui.print(f"epoch {epoch + 1:>2} | step {global_step:>4}/{total_steps} | "
-                             f"loss {losses[-1]:.4f} | snapshot saved")
+                             f"loss {losses[-1]:.4f} | {rate:>9,.0f} samples/s | snapshot saved")
                 if args.step_delay:
                     time.sleep(args.step_delay)
     wall = timer.seconds
@@ -299,7 +318,7 @@ def main() -> None:
             samples=trained * recipe.GLOBAL_BATCH, epochs=args.epochs, seed=args.seed,
             dataset=data.name, restarts=restart_count, max_restarts=max_restarts,
             resumed_from_step=start_step, snapshot_every=args.snapshot_every,
-            fail_at_step=args.fail_at_step, every_sample_once_per_epoch=exact,
+            fail_at_step=fail_step, every_sample_once_per_epoch=exact,
             max_abs_diff_vs_single_device=diff))
         atomic_write(folder / "samples.pt", lambda f: torch.save(samples, f))
         snapshot_path.unlink(missing_ok=True)

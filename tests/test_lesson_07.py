@@ -1,0 +1,198 @@
+"""Lesson 07: restarts after a failure, atomic snapshots, exact mid-epoch resume."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from common import recipe
+from conftest import ROOT, load_run, max_abs_diff, one_error_line, run, run_lesson
+
+LESSON = "lessons/07_elastic.py"
+ELASTIC = [sys.executable, "-m", "common.nodes", "--elastic", "--nnodes", "1",
+           "--nproc-per-node", "2"]
+STEPS_PER_EPOCH = recipe.N_TRAIN // recipe.GLOBAL_BATCH
+
+
+def assert_every_sample_once_in_lesson_01_order(folder, epochs=recipe.EPOCHS):
+    """samples.pt holds the ids each optimizer step used, gathered from every rank."""
+    samples = torch.load(folder / "samples.pt", weights_only=True)
+    assert samples.shape == (epochs * STEPS_PER_EPOCH, recipe.GLOBAL_BATCH)
+    for epoch in range(epochs):
+        rows = samples[epoch * STEPS_PER_EPOCH:(epoch + 1) * STEPS_PER_EPOCH]
+        # no repeat, no skip: the epoch's steps together hold every sample exactly once ...
+        assert sorted(rows.flatten().tolist()) == list(range(recipe.N_TRAIN))
+        # ... and each step holds the same global batch as lesson 01's step
+        order = recipe.epoch_order(recipe.N_TRAIN, recipe.SEED, epoch)
+        for s, row in enumerate(rows):
+            batch = order[s * recipe.GLOBAL_BATCH:(s + 1) * recipe.GLOBAL_BATCH]
+            assert sorted(row.tolist()) == sorted(batch), (epoch, s)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The same 2-worker elastic job with no failure: what an interrupted run must equal."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    run([*ELASTIC, "--max-restarts", "3", "--", LESSON, "--fail-at-step", "0", "--out", folder],
+        timeout=180)
+    state, metrics = load_run(folder)
+    assert metrics["restarts"] == 0 and metrics["resumed_from_step"] == 0
+    return state
+
+
+@pytest.fixture(scope="module")
+def left_snapshot(tmp_path_factory):
+    """A job without restarts (--max-restarts 0) dies at step 45 and leaves its step-40 snapshot."""
+    folder = tmp_path_factory.mktemp("no_restarts")
+    proc = run([*ELASTIC, "--max-restarts", "0", "--", LESSON, "--out", folder],
+               check=False, timeout=180)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error:")  # one summary line last
+    assert not (folder / "final.pt").exists()
+    snap = torch.load(folder / "snapshot.pt", weights_only=True)
+    assert snap["global_step"] == 40 and snap["world_size"] == 2
+    return folder / "snapshot.pt"
+
+
+def test_make_lesson_07_fails_once_restarts_and_resumes_exactly(tmp_path, reference_3_epochs,
+                                                               uninterrupted):
+    start = time.time()
+    proc = run(["make", "-s", "lesson-07", f"ARGS=--out {tmp_path}"], timeout=180)
+    elapsed = time.time() - start
+    state, metrics = load_run(tmp_path)
+    # one injected failure, one restart, resumed mid-epoch from the step-40 snapshot
+    assert metrics["restarts"] == 1 and metrics["max_restarts"] == 3
+    assert metrics["resumed_from_step"] == 40 and metrics["world_size"] == 2
+    assert "[rank 1] step 45: killing myself with SIGKILL" in proc.stdout
+    assert "will restart worker group" in proc.stderr  # torchrun's agent says so
+    assert "attempt 2 (restart count 1): resuming from snapshot at epoch 2 step 8/32" in proc.stdout
+    # the same weights as without the failure, and as lesson 01
+    assert max_abs_diff(state, uninterrupted) <= 1e-6
+    assert max_abs_diff(state, reference_3_epochs) <= 1e-4
+    assert metrics["max_abs_diff_vs_single_device"] <= 1e-4
+    # the loss curve is whole: one loss per step, none lost with the dead attempt
+    assert len(metrics["losses"]) == recipe.EPOCHS * STEPS_PER_EPOCH
+    assert metrics["every_sample_once_per_epoch"] is True
+    assert_every_sample_once_in_lesson_01_order(tmp_path)
+    # the job finished, so the snapshot is gone: the next make lesson-07 starts from scratch
+    assert not (tmp_path / "snapshot.pt").exists()
+    assert "terminate called" not in proc.stderr
+    print(f"make lesson-07 took {elapsed:.1f} s")
+
+
+def worker_pids(stdout_text):
+    """rank -> pid from the lesson's 'Workers of attempt N' table (the last one printed)."""
+    rows = re.findall(r"^│ (\d+)\s+│ \d+\s+│ \S+\s+│ (\d+)\s+│", stdout_text, re.M)
+    return {int(rank): int(pid) for rank, pid in rows}
+
+
+def test_a_worker_killed_from_outside_is_survived(tmp_path, reference_3_epochs, uninterrupted):
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    folder = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
+    with open(out, "w") as fo, open(err, "w") as fe:
+        job = subprocess.Popen([*ELASTIC, "--max-restarts", "3", "--", LESSON, "--fail-at-step", "0",
+                                "--step-delay", "0.05", "--out", folder],
+                               cwd=ROOT, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env=env,
+                               start_new_session=True)
+        try:
+            deadline = time.time() + 120
+            while not (folder / "snapshot.pt").exists():  # training is under way
+                assert job.poll() is None, err.read_text()[-3000:]
+                assert time.time() < deadline, "no snapshot appeared"
+                time.sleep(0.05)
+            time.sleep(0.7)  # somewhere in the middle, maybe in a save: any moment must do
+            victim = worker_pids(out.read_text())[0]  # rank 0: the one that writes snapshots
+            os.kill(victim, signal.SIGKILL)
+            job.wait(timeout=180)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+    assert job.returncode == 0, err.read_text()[-3000:]
+    state, metrics = load_run(folder)
+    stdout = out.read_text()
+    assert metrics["restarts"] >= 1
+    assert metrics["resumed_from_step"] > 0 and metrics["resumed_from_step"] % 10 == 0
+    assert re.search(r"attempt 2 \(restart count 1\): resuming from snapshot at epoch \d step \d+/32",
+                     stdout)
+    assert victim not in worker_pids(stdout).values()  # new processes after the restart
+    assert max_abs_diff(state, uninterrupted) <= 1e-6
+    assert max_abs_diff(state, reference_3_epochs) <= 1e-4
+    assert_every_sample_once_in_lesson_01_order(folder)
+
+
+def test_a_killed_save_leaves_the_snapshot_intact_and_a_new_job_resumes_it(
+        tmp_path, left_snapshot, reference_3_epochs):
+    path = tmp_path / "snapshot.pt"
+    shutil.copy(left_snapshot, path)
+    before = path.read_bytes()
+    # the lesson's save path (atomic_write + torch.save), killed halfway through writing
+    crash = (
+        "import os, signal, sys\n"
+        "sys.path.insert(0, '.')\n"
+        "from common.results import atomic_write\n"
+        "def half_then_die(f):\n"
+        "    f.write(b'PK' + bytes(5000))\n"
+        "    f.flush()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"atomic_write({str(path)!r}, half_then_die)\n"
+    )
+    proc = run([sys.executable, "-c", crash], check=False, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert path.read_bytes() == before  # untouched
+    assert torch.load(path, weights_only=True)["global_step"] == 40
+    strays = list(tmp_path.glob(".snapshot.pt.*.tmp"))
+    assert len(strays) == 1 and strays[0].stat().st_size > 0
+    # The 2-worker job that wrote the snapshot died (no restarts left). Resubmitted as a
+    # world of one, the new job deletes the stray file and resumes at step 40: progress is
+    # kept in global steps, so the world size may change.
+    proc = run_lesson("07", "--out", tmp_path, timeout=120)
+    assert "a save that was cut short" in proc.stdout
+    assert not list(tmp_path.glob(".snapshot.pt.*.tmp"))
+    assert "left by an earlier job" in proc.stdout
+    assert "resuming from snapshot at epoch 2 step 8/32 (global step 40, saved with 2 worker(s))" \
+        in proc.stdout
+    state, metrics = load_run(tmp_path)
+    assert metrics["world_size"] == 1 and metrics["resumed_from_step"] == 40
+    assert metrics["restarts"] == 0
+    assert max_abs_diff(state, reference_3_epochs) <= 1e-4
+    assert_every_sample_once_in_lesson_01_order(tmp_path)
+
+
+def test_corrupt_or_incompatible_snapshots_are_one_clear_error(tmp_path, left_snapshot):
+    path = tmp_path / "snapshot.pt"
+    good = left_snapshot.read_bytes()
+    path.write_bytes(good[:len(good) // 2])  # cut short: what a non-atomic save would leave
+    line = one_error_line(run_lesson("07", "--out", tmp_path, check=False, timeout=60))
+    assert line.startswith(f"error: snapshot {path} cannot be read"), line
+    assert "delete it or pass --fresh" in line
+    # a readable snapshot made with another seed would resume a different sample order
+    path.write_bytes(good)
+    line = one_error_line(run_lesson("07", "--seed", "1", "--out", tmp_path, check=False, timeout=60))
+    assert "was made with seed 0, this run uses 1" in line and "--fresh" in line
+    # a snapshot whose weights do not fit the model
+    snap = torch.load(path, weights_only=True)
+    snap["model"]["fc1.weight"] = torch.zeros(3, 3)
+    torch.save(snap, path)
+    line = one_error_line(run_lesson("07", "--out", tmp_path, check=False, timeout=60))
+    assert "does not fit this model" in line and "fc1.weight" in line
+    # --fresh starts over instead
+    path.write_bytes(b"garbage")
+    proc = run_lesson("07", "--fresh", "--epochs", "1", "--out", tmp_path, timeout=120)
+    assert "--fresh: deleted" in proc.stdout
+    assert json.loads((tmp_path / "metrics.json").read_text())["resumed_from_step"] == 0
+
+
+def test_bad_flags_are_one_clear_line():
+    for flags, expect in ((["--snapshot-every", "0"], "--snapshot-every"),
+                          (["--fail-at-step", "97"], "beyond the last step"),
+                          (["--fail-rank", "2"], "--fail-rank 2")):
+        line = one_error_line(run_lesson("07", *flags, check=False, timeout=60))
+        assert line.startswith("error:") and expect in line, line
