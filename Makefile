@@ -20,7 +20,7 @@ RUN_06 := -m common.nodes --nnodes 2 --nproc-per-node 2 --
 RUN_07 := -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
 
 # check-% and lesson-% are pattern rules
-.PHONY: checks help venv lessons test clean distclean docs-output diff
+.PHONY: checks help venv lessons test clean distclean docs-output diff bench
 
 help:
 	@echo "Distributed PyTorch, Step by Step"
@@ -37,6 +37,7 @@ help:
 	@echo "  make check-NN   check your answer to lesson NN's exercise (make checks lists them)"
 	@echo "  make diff FROM=04 TO=05  what changed between two lessons' code"
 	@echo "  make test       run the test suite (pytest, CPU only, a few minutes)"
+	@echo "  make bench      measured speedups and costs (about 5 minutes)"
 	@echo "  make docs-output  rerun the commands whose output the docs show (DOCS=docs/01_*.md)"
 	@echo "  make venv       create .venv and install requirements.txt (done automatically)"
 	@echo "  make clean      delete runs/ and caches (keeps .venv)"
@@ -85,3 +86,6 @@ docs-output: $(STAMP)  ## regenerate the real output pasted into docs/*.md
 diff: $(STAMP)  ## what changed between two lessons: make diff FROM=04 TO=05
 	@if [ -z "$(FROM)" ] || [ -z "$(TO)" ]; then echo "error: give two lessons, e.g. make diff FROM=04 TO=05" >&2; exit 2; fi
 	@$(PY) tools/lesson_diff.py $(FROM) $(TO)
+
+bench: $(STAMP)  ## measured performance: runs/bench/results.json, a table and plots, docs/PERFORMANCE.md
+	$(PY) -m bench.run $(ARGS)

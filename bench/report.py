@@ -32,6 +32,10 @@ def mb(nbytes: float | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 1e6:.3g}"
 
 
+def calls(k: float) -> str:
+    return f"{k:g} call" + ("" if k == 1 else "s")
+
+
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:.0f}%"
 
@@ -220,7 +224,7 @@ def draw_plots(results: dict, folder: Path) -> tuple[list[Path], str | None]:
 
     if "bucketing" in b:
         rows = b["bucketing"]["rows"]
-        labels = [f"cap {cap_label(r['bucket_cap_mb'])} MB, {r['calls_per_backward']:g} calls"
+        labels = [f"cap {cap_label(r['bucket_cap_mb'])} MiB, {calls(r['calls_per_backward'])}"
                   + ("" if r["overlap"] else ", deferred") for r in rows]
         stats = [r["samples_per_s"] for r in rows]
         fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
@@ -228,7 +232,8 @@ def draw_plots(results: dict, folder: Path) -> tuple[list[Path], str | None]:
         ax.barh(labels, [s["median"] for s in stats], xerr=_err(stats), color=colors, capsize=4)
         ax.invert_yaxis()
         ax.set_xlabel("samples/s (median, min-max)")
-        ax.set_title("DDP bucket size and overlap (orange: communication after backward)")
+        ax.set_title("DDP bucket size and overlap")
+        ax.set_ylabel("blue: overlapped; orange: after backward", fontsize=8)
         save(fig, "bucketing.png")
 
     if "allreduce" in b:

@@ -251,7 +251,9 @@ def main() -> None:
         got = spawn_ranks(measure.cpu_worker, world, plan)
         if "scaling" in plan["benchmarks"]:
             check = derive_scaling(got["scaling"], cpus, plan["threads_per_rank"])
-            bench["scaling"] = {"config": {k: v for k, v in plan["scaling"].items()},
+            sizes = measure.param_bytes(measure.recipe_mlp(plan["scaling"]["hidden"]))
+            bench["scaling"] = {"config": {**plan["scaling"], "grad_bytes": sum(sizes),
+                                           "param_count": sum(sizes) // measure.FLOAT_BYTES},
                                 "model": "recipe.MLP", "strong_scaling": True,
                                 "rows": got["scaling"], "check": check}
         if "bucketing" in plan["benchmarks"]:
