@@ -15,7 +15,7 @@ one resume. Pass --fail-at-step 0 for a run without a failure.
 Run:
     make lesson-07     # 1 node x 2 workers, c10d rendezvous, --max-restarts 3, one failure
     python -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 -- lessons/07_elastic.py
-    torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --max-restarts 3 lessons/07_elastic.py
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --max-restarts 3 lessons/07_elastic.py
     python lessons/07_elastic.py --fail-at-step 0   # a world of one, no agent: nothing restarts it
 
     Kill a worker yourself: make lesson-07 ARGS="--fail-at-step 0 --step-delay 0.2", then
