@@ -173,8 +173,11 @@ def scaling_section(sec: dict, m: dict, images: dict, note) -> list[str]:
                    f"**{r['speedup']:.2f}x** one rank's {report.num(one['samples_per_s']['median'])}: "
                    f"a scaling efficiency of **{r['efficiency']:.0%}** (efficiency = "
                    f"throughput_N / (N x throughput_1); 100% would mean working together costs "
-                   f"nothing)." + (" More ranks than cores: they take turns on the cores."
-                                   if n > (m.get("cpu_count") or 1) else ""))
+                   f"nothing)."
+                   + (f" Against one process without DDP: {r['speedup_vs_no_ddp']:.2f}x."
+                      if "speedup_vs_no_ddp" in r else "")
+                   + (" More ranks than cores: they take turns on the cores."
+                      if n > (m.get("cpu_count") or 1) else ""))
     check = sec.get("check")
     if check and check.get("speedup") is not None:
         where = ("" if check["applies"] else

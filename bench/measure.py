@@ -454,8 +454,14 @@ def allreduce(ctx: Ctx, n: int, cfg: dict, lesson) -> list[dict]:
 
 def dataparallel(ctx: Ctx, cfg: dict, gpus: int) -> dict:
     """nn.DataParallel over `gpus` GPUs in this one process, same global batch as DDP."""
-    device = torch.device("cuda", 0)
+    cuda = ctx.device.type == "cuda"
+    device = torch.device("cuda", 0) if cuda else ctx.device
     steps, global_batch = cfg["steps"], cfg["global_batch"]
+
+    def sync_all():
+        for i in range(gpus if cuda else 0):
+            torch.cuda.synchronize(i)
+
     model = recipe_mlp(cfg["hidden"]).to(device)
     net = nn.DataParallel(model, device_ids=list(range(gpus)))
     optimizer = recipe.make_optimizer(net)
@@ -470,12 +476,10 @@ def dataparallel(ctx: Ctx, cfg: dict, gpus: int) -> dict:
         window()
     times = []
     for _ in range(ctx.plan["reps"]):
-        for i in range(gpus):
-            torch.cuda.synchronize(i)
+        sync_all()
         t0 = time.perf_counter()
         window()
-        for i in range(gpus):
-            torch.cuda.synchronize(i)
+        sync_all()
         times.append(time.perf_counter() - t0)
     free(net, optimizer, model)
     return {"variant": "dataparallel", "world_size": gpus, "gpus": gpus, "processes": 1,
@@ -536,16 +540,20 @@ def cpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
 def gpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
     """One GPU rank (NCCL): DDP scaling, then DataParallel and NCCL's all-reduce."""
     torch.set_num_threads(plan["threads_per_rank"])
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+    cfg = plan["gpu"]
+    # "cpu" only to rehearse this code path on a machine without GPUs (gloo instead of NCCL)
+    cuda = cfg.get("device_type", "cuda") == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(device)
     ctx = Ctx(rank, world, plan, device)
     timeout = datetime.timedelta(seconds=plan["timeout"])
-    dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world,
-                            timeout=timeout, device_id=device)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=timeout, **({"device_id": device} if cuda else {}))
     lobby = dist.new_group(list(range(world)), backend="gloo",
                            timeout=datetime.timedelta(seconds=LOBBY_TIMEOUT_S))
-    cfg = plan["gpu"]
-    _groups(ctx, set(cfg["worlds"]), "nccl", timeout)
+    _groups(ctx, set(cfg["worlds"]), backend, timeout)
     results: dict = {"scaling": [], "dataparallel": [], "allreduce": []}
     for n in cfg["worlds"]:
         started = time.perf_counter()
@@ -576,7 +584,7 @@ def nccl_allreduce(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
     """dist.all_reduce of GPU tensors over NCCL: time and bandwidth for several sizes."""
     rows = []
     for size in cfg["allreduce_sizes"]:
-        buf = torch.ones(size, device=ctx.device)
+        buf = torch.zeros(size, device=ctx.device)  # zeros: sums never overflow
 
         def window():
             for _ in range(cfg["allreduce_inner"]):
