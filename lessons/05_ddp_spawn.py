@@ -188,7 +188,7 @@ def worker(rank: int, world_size: int, args, kind: str) -> None:
                 loss.backward()       # DDP all-reduces gradients, bucket by bucket, in here
                 optimizer.step()      # identical gradients -> identical steps on every rank
                 global_loss = loss.detach().clone()
-                dist.all_reduce(global_loss)  # SUM over ranks; gloo has no AVG
+                dist.all_reduce(global_loss)  # SUM over ranks (the default op), then divide
                 losses.append(global_loss.item() / world_size)
                 bar.advance()
                 if len(losses) % log_every == 0:
@@ -216,7 +216,8 @@ def worker(rank: int, world_size: int, args, kind: str) -> None:
         ui.print(f"test accuracy {accuracy:.1%}; wrote {shown(folder / 'final.pt')} "
                  f"and metrics.json")
         ui.print(f"same weights as one device? max |w_ddp - w_lesson01| = [bold]{diff:.1e}[/bold] "
-                 f"({'yes' if diff <= 1e-4 else 'NO'}: float sums in another order differ by ~1e-7)")
+                 + ("(yes: the only difference is float sums added in another order)" if diff <= 1e-4
+                    else "(NO: something differs from lesson 01's recipe)"))
     dist.barrier()  # nobody reads final.pt before rank 0 has finished writing it
     if rank != 0:
         saved = torch.load(folder / "final.pt", weights_only=True)

@@ -44,12 +44,14 @@ from common.ui import UI, Timer
 
 # @record writes this worker's exception to the file torchrun names in
 # TORCHELASTIC_ERROR_FILE, so torchrun's failure summary shows *our* error and traceback
-# instead of only "exit code 1". Without torchrun it does nothing.
+# instead of only "exit code 1". Without torchrun the error file is simply not written.
 @record
 def main() -> None:
     parser = lesson_parser(__doc__, distributed=True)
     parser.add_argument("--crash-rank", type=nonnegative_int, default=None,
                         help="make this global rank raise an error during training")
+    parser.add_argument("--crash-at-step", type=nonnegative_int, default=3,
+                        help="the training step at which --crash-rank fails")
     args = parser.parse_args()
 
     # Step 1: Read who we are from the environment
@@ -70,8 +72,9 @@ def main() -> None:
              f"{'started by torchrun' if launched else 'plain python: a world of one'}")
     ui.step(1, "Read who we are from the environment")
     if recipe.GLOBAL_BATCH % world_size:
+        sizes = [n for n in range(1, recipe.GLOBAL_BATCH + 1) if recipe.GLOBAL_BATCH % n == 0]
         fail(f"WORLD_SIZE={world_size} does not divide the global batch of {recipe.GLOBAL_BATCH}; "
-             f"use 1, 2, 3, 4, 6 or 8 workers in total")
+             f"use one of {', '.join(map(str, sizes))} workers in total")
     ui.print(f"MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']} "
              f"WORLD_SIZE={world_size} LOCAL_WORLD_SIZE={local_world_size}")
 
@@ -120,7 +123,7 @@ def main() -> None:
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             for x, y in loader:
-                if rank == args.crash_rank and len(losses) == 3:
+                if rank == args.crash_rank and len(losses) == args.crash_at_step:
                     raise RuntimeError(f"deliberate crash of rank {rank} (--crash-rank)")
                 x, y = x.to(device), y.to(device)
                 loss = F.cross_entropy(ddp_model(x), y)
