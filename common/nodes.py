@@ -70,8 +70,8 @@ def torchrun_command(args, node_rank: int, port: int, script: list[str]) -> list
     """The torchrun command one machine would run."""
     cmd = ["torchrun", f"--nnodes={args.nnodes}", f"--nproc-per-node={args.nproc_per_node}"]
     if args.elastic:
-        # c10d: the agents meet in a store hosted by whichever agent reaches it first;
-        # node ranks are assigned at the rendezvous, so no --node-rank.
+        # c10d: the agents meet in a store at --rdzv-endpoint (the agent on that host
+        # serves it); node ranks are assigned at the rendezvous, so no --node-rank.
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=lesson",
                 f"--rdzv-conf=join_timeout={args.rdzv_timeout}",
                 f"--max-restarts={args.max_restarts}"]
@@ -104,7 +104,7 @@ def pump(node: int, stream, log_path: Path, seen: dict, hide_info: bool = False)
     The log file gets every line; the terminal gets them without Python tracebacks and C++
     frame dumps, keeping each exception's last line (also remembered for the summary).
     """
-    in_traceback = False
+    in_traceback = in_box_traceback = False
     with open(log_path, "w") as log:
         for line in stream:
             log.write(line)
@@ -129,6 +129,15 @@ def pump(node: int, stream, log_path: Path, seen: dict, hide_info: bool = False)
                     continue
                 in_traceback = False  # the exception line itself ends the traceback
                 seen[node] = text.strip()
+            # inside torchrun's summary box the traceback is indented: keep its last line only
+            if "traceback : Traceback" in text:
+                sys.stderr.write(f"[node {node}]   traceback : (in {log_path.relative_to(ROOT)})\n")
+                in_box_traceback = True
+                continue
+            if in_box_traceback:
+                if text.startswith("    "):
+                    continue
+                in_box_traceback = False
             if NOISE.match(text):
                 continue
             if hide_info and line.startswith("I") and GLOG.match(line) and not INFO_SHOWN.search(line):
@@ -155,10 +164,31 @@ def explain(node: int, error: str, args, port: int) -> str:
         return (f"node {node} waited {args.rdzv_timeout} s at the rendezvous (127.0.0.1:{port}) "
                 f"but only {m[1]} of {m[2]} nodes came; start every node with the same --nnodes, "
                 f"--master-addr and --master-port, or raise --rdzv-timeout")
+    if re.search(r"DistNetworkError|Connection refused|failed to connect|trying to connect", error, re.I):
+        return (f"node {node} could not reach the rendezvous store at 127.0.0.1:{port}, which "
+                f"node 0 hosts; start node 0 too (same --nnodes, --master-addr, --master-port)")
     if "RendezvousTimeoutError" in error:
         return (f"node {node} timed out at the c10d rendezvous after {args.rdzv_timeout} s "
                 f"without enough nodes (need {args.min_nodes}); start the others or lower --nnodes")
-    return f"node {node} failed: {error or 'see its log'}; the other nodes were stopped"
+    return f"node {node} failed: {error.rstrip('.') or 'see its log'}; the other nodes were stopped"
+
+
+def plan_gpus(nnodes: int, nproc: int):
+    """Real nodes have their own GPUs; simulated ones share this machine's. Give each
+    simulated node its own slice through CUDA_VISIBLE_DEVICES (so its local rank 0 is not
+    the same GPU as the next node's), or hide the GPUs when there are too few to go round."""
+    try:
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        count = 0
+    if count == 0:
+        return None
+    if count >= nnodes * nproc:
+        return lambda node: ",".join(str(node * nproc + i) for i in range(nproc))
+    print(f"note: {nnodes} simulated nodes x {nproc} workers need {nnodes * nproc} GPUs but "
+          f"{count} are visible: the GPUs are hidden and every worker uses the CPU", flush=True)
+    return lambda node: ""
 
 
 def main(argv: list[str]) -> None:
@@ -168,6 +198,7 @@ def main(argv: list[str]) -> None:
     log_dir = ROOT / "runs" / "nodes"
     log_dir.mkdir(parents=True, exist_ok=True)
 
+    gpus_for = plan_gpus(len(nodes), args.nproc_per_node)
     print(f"Simulating {len(nodes)} node(s) on this machine; on real machines run one of these per machine\n"
           f"(with the first machine's address instead of 127.0.0.1):", flush=True)
     procs = []
@@ -178,6 +209,8 @@ def main(argv: list[str]) -> None:
         print(f"  node {node}: {shown_env}{shlex.join(cmd)}", flush=True)
         # `python -m torch.distributed.run` is what the `torchrun` script runs
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+        if gpus_for is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus_for(node)
         procs.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *cmd[1:]],
                                       cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
                                       start_new_session=True))  # own group: we can stop it whole
