@@ -40,7 +40,17 @@ def render(cmd: str, timeout: float = 300) -> str:
 
 def main(argv: list[str]) -> None:
     check = "--check" in argv
-    paths = [Path(a) for a in argv if a != "--check"] or sorted((ROOT / "docs").rglob("*.md"))
+    paths = [Path(a).resolve() for a in argv if a != "--check"] or sorted((ROOT / "docs").rglob("*.md"))
+    # A translation shows the same output as its English doc: regenerate both, from one run.
+    twins = [ROOT / "docs" / "zh" / p.name for p in paths if p.parent == ROOT / "docs"]
+    paths += [t for t in twins if t.exists() and t not in paths]
+    cache: dict[str, str] = {}
+
+    def output(cmd: str) -> str:
+        if cmd not in cache:
+            cache[cmd] = render(cmd)
+        return cache[cmd]
+
     for path in paths:
         text = path.read_text()
         commands = [m["cmd"] for m in BLOCK.finditer(text)]
@@ -50,7 +60,7 @@ def main(argv: list[str]) -> None:
             print(f"{path.relative_to(ROOT) if path.is_absolute() else path}: {cmd}")
         if check:
             continue
-        new = BLOCK.sub(lambda m: m.group(1) + render(m["cmd"]) + m.group(4), text)
+        new = BLOCK.sub(lambda m: m.group(1) + output(m["cmd"]) + m.group(4), text)
         path.write_text(new)
 
 
