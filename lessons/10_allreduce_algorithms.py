@@ -245,8 +245,8 @@ def worker(rank: int, world_size: int, args) -> None:
     server_all_reduce(got, wire)
     diff = compare_with_all_reduce(got, x)
     rows, per_rank = byte_rows(wire, lambda r: server_bytes(big, world_size, r))
-    ui.table(f"Parameter server, N={world_size}, S={big:,} floats ({mb(big * FLOAT_BYTES)} MB)",
-             ["rank", "sent MB", "received MB", "formula MB (each way)", "matches"], rows)
+    ui.table(f"Parameter server, N={world_size}, S={big:,} floats ({human(big * FLOAT_BYTES)})",
+             ["rank", "sent", "received", "formula (each way)", "matches"], rows)
     ui.print(f"max |server - dist.all_reduce| = {diff:.1e}; rank 0 moved {world_size - 1}x "
              f"what each other rank moved, in and out")
     results["server_bytes"] = per_rank
@@ -283,12 +283,16 @@ def worker(rank: int, world_size: int, args) -> None:
             ring_all_reduce(got, wire)
         diff = compare_with_all_reduce(got, x)
     rows, per_rank = byte_rows(wire, lambda r: ring_bytes(big, world_size, r))
-    ui.table(f"Ring all-reduce, N={world_size}, S={big:,} floats ({mb(big * FLOAT_BYTES)} MB)",
-             ["rank", "sent MB", "received MB", "formula MB (each way)", "matches"], rows)
+    ui.table(f"Ring all-reduce, N={world_size}, S={big:,} floats ({human(big * FLOAT_BYTES)})",
+             ["rank", "sent", "received", "formula (each way)", "matches"], rows)
     ui.print(f"max |ring - dist.all_reduce| = {diff:.1e}; 2(N-1)/N = "
              f"{2 * (world_size - 1) / world_size:.2f}: each rank moves {ring_formula(big, world_size) / (big * FLOAT_BYTES):.2f} S "
              f"each way, the server's rank 0 moved {world_size - 1} S")
     results["ring_bytes"] = per_rank
+    total_server = sum(row["sent"] for row in results["server_bytes"])
+    total_ring = sum(row["sent"] for row in per_rank)
+    ui.print(f"all ranks together sent {human(total_server)} (server) and {human(total_ring)} "
+             f"(ring): the same total, 2(N-1)*S; the ring spreads it evenly over every link")
 
     # Step 5: Check both for several N and S
     # Sizes that N does not divide (chunks of unequal length), sizes smaller than N (empty
@@ -409,8 +413,9 @@ def byte_rows(wire: Wire, formula) -> tuple[list[list], list[dict]]:
     for r, (sent, received) in enumerate(counts):
         want_sent, want_received = formula(r)
         ok = sent == want_sent and received == want_received
-        rows.append([r, mb(sent), mb(received), mb(want_sent) if want_sent == want_received
-                     else f"{mb(want_sent)} / {mb(want_received)}", "yes" if ok else "NO"])
+        want = {human(want_sent), human(want_received)}  # differ only when N does not divide S
+        rows.append([r, human(sent), human(received), " / ".join(sorted(want)),
+                     "yes" if ok else "NO"])
         per_rank.append({"rank": r, "sent": sent, "received": received,
                          "formula_sent": want_sent, "formula_received": want_received})
     return rows, per_rank
@@ -448,11 +453,8 @@ def time_cell(name: str, size: int, group, args) -> dict:
             "repeats": args.repeats}
 
 
-def mb(nbytes: float) -> str:
-    return f"{nbytes / 1e6:.2f}"  # MB = 10^6 bytes, so 1,000,000 floats are 4.00 MB
-
-
 def human(nbytes: float) -> str:
+    """Decimal units (1 MB = 10^6 bytes), so 1,000,000 floats are exactly 4.00 MB."""
     return f"{nbytes / 1e3:.1f} KB" if nbytes < 1e6 else f"{nbytes / 1e6:.2f} MB"
 
 
