@@ -107,7 +107,7 @@ def render(results: dict, images: dict, note: str | None) -> str:
     # --- reproduce -----------------------------------------------------------------------
     out += ["## Reproduce", "",
             "```bash",
-            "make bench                                        # the suite: about 5 minutes on 2 cores, rewrites this page",
+            f"make bench                                        # the suite (this run: {results['wall_seconds']:.0f} s), rewrites this page",
             "make bench ARGS=\"--quick\"                         # a smoke run in well under a minute (numbers meaningless)",
             "make bench ARGS=\"--only scaling --reps 7\"         # one benchmark, more repetitions",
             ".venv/bin/pip install -r requirements-bench.txt   # matplotlib, for the plots (optional)",
@@ -189,6 +189,18 @@ def scaling_section(sec: dict, m: dict, images: dict, note) -> list[str]:
         out.append(f"* The target for this suite is at least {check['required_speedup']}x with "
                    f"2 ranks on a 2-core CPU, one thread each: this run reached "
                    f"{check['speedup']:.2f}x, so it is {verdict}{where}.{extra}")
+    busy_rows = [r for r in rows if "cpu_busy" in r]
+    if busy_rows:
+        low = min(busy_rows, key=lambda r: r["cpu_busy"]["median"])
+        state = ("so the ranks had their cores to themselves"
+                 if low["cpu_busy"]["median"] >= 0.9 else
+                 "**well below 100%: the ranks waited, for each other's gradients or for cores "
+                 "that other programs held**")
+        out.append(f"* *CPU busy* is the CPU time a rank used per second of the measurement "
+                   f"(the least busy rank, median over repetitions): near 100% when it computed "
+                   f"all the time on its one thread. The lowest here was "
+                   f"{report.pct(low['cpu_busy']['median'])} ({report.scaling_label(low)}), "
+                   f"{state}.")
     if plain and one:
         rel = compare(plain["samples_per_s"], one["samples_per_s"])
         out.append(f"* On one rank DDP has nobody to talk to, yet it still copies gradients "
@@ -299,9 +311,11 @@ def allreduce_section(sec: dict, m: dict, images: dict, note) -> list[str]:
                    f"for N = {', '.join(map(str, worlds))}: (N-1) x S, one more S for every rank "
                    f"that joins. The ring's busiest rank sent "
                    f"{', '.join(report.mb(r['busiest_sent']) for r in ring)} MB: 2(N-1)/N x S, "
-                   f"which never reaches 2 S however many ranks join. A central server "
-                   f"becomes the bottleneck as the job grows; a ring spreads the traffic evenly "
-                   f"over all ranks.")
+                   f"which never reaches 2 S however many ranks join. All ranks together "
+                   f"sent the same in both ({', '.join(report.mb(sum(p['sent'] for p in r['per_rank'])) for r in srv)} MB "
+                   f"for the server, {', '.join(report.mb(sum(p['sent'] for p in r['per_rank'])) for r in ring)} MB "
+                   f"for the ring: 2(N-1) x S): the server piles it on rank 0, which becomes "
+                   f"the bottleneck as the job grows; the ring spreads it evenly over all ranks.")
     counted = [r for r in rows if r.get("matches_formula") is not None]
     ok = sum(1 for r in counted if r["matches_formula"])
     out.append(f"* The counted bytes matched the formulas for every rank in {ok} of "

@@ -16,7 +16,6 @@ import gc
 import importlib.util
 import itertools
 import json
-import os
 import statistics
 import time
 from contextlib import nullcontext
@@ -195,6 +194,7 @@ class Ctx:
         self.ui = UI(rank, world)
         self.work: dict[int, object] = {}   # n -> group of ranks 0..n-1 (the benchmark's)
         self.ctl: dict[int, object] = {}    # n -> gloo group for barriers and timings
+        self.last_cpu_busy: list[float] = []  # see timed()
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -210,14 +210,21 @@ class Ctx:
         """Warm-up windows, then `reps` timed windows; seconds of the slowest rank each."""
         for _ in range(self.plan["warmup"] if warmup is None else warmup):
             window()
-        times = []
+        times, busy = [], []
         for _ in range(self.plan["reps"]):
             self.sync()
             dist.barrier(group=self.ctl[n])  # everyone starts together
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             window()
             self.sync()
             times.append(time.perf_counter() - t0)
+            busy.append((time.process_time() - c0) / times[-1])
+        # CPU seconds this process used per second of the window, for the least busy rank:
+        # near 1 (one thread per rank) when it computed all the time; far below 1 when it
+        # waited, for the others' gradients or for a core that another program held
+        t = torch.tensor(busy, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctl[n])
+        self.last_cpu_busy = t.tolist()
         return self.slowest(times, n)
 
 
@@ -234,12 +241,6 @@ def rank_spread(model: nn.Module, group) -> float:
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, flat, group=group)
     return max((g - gathered[0]).abs().max().item() for g in gathered)
-
-
-def free(*objects) -> None:
-    """Drop models (DDP reducers hold the group) and collect now, not at exit."""
-    del objects
-    gc.collect()
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,9 +272,11 @@ def scaling(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
             "steps_per_rep": steps,
             "samples_per_s": summary([steps * global_batch / t for t in times]),
             "step_ms": summary([t / steps * 1e3 for t in times]),
+            "cpu_busy": summary(ctx.last_cpu_busy),
             "rank_spread": rank_spread(model, ctx.ctl[n]) if variant == "ddp" else 0.0,
         })
-        free(net, optimizer, model)
+        del net, optimizer, model, window  # DDP's reducer holds the group: free it now
+        gc.collect()
     return rows
 
 
@@ -296,8 +299,9 @@ def bucketing(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
                 x, y = next(feed)
                 train_step(ddp, optimizer, x, y)
 
-        # the warm-up's first backward uses DDP's initial single bucket; count after it
-        for _ in range(ctx.plan["warmup"]):
+        # DDP's first backward uses one bucket for everything, then it rebuilds them: at
+        # least one warm-up window, and count only after it
+        for _ in range(max(1, ctx.plan["warmup"])):
             window()
         state.reset()
         times = ctx.timed(window, n, warmup=0)
@@ -312,7 +316,8 @@ def bucketing(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
             "step_ms": summary([t / steps * 1e3 for t in times]),
             "rank_spread": rank_spread(model, ctx.ctl[n]),
         })
-        free(ddp, optimizer, model)
+        del ddp, optimizer, model, window
+        gc.collect()
     return rows
 
 
@@ -345,7 +350,7 @@ def no_sync(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
 
-            for _ in range(ctx.plan["warmup"]):
+            for _ in range(max(1, ctx.plan["warmup"])):  # see bucketing()
                 window()
             state.reset()
             times = ctx.timed(window, n, warmup=0)
@@ -359,7 +364,8 @@ def no_sync(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
                 "bytes_per_step": state.bytes / optimizer_steps,
                 "rank_spread": rank_spread(model, ctx.ctl[n]),
             })
-            free(ddp, optimizer, model)
+            del ddp, optimizer, model, window
+            gc.collect()
     return rows
 
 
@@ -481,7 +487,8 @@ def dataparallel(ctx: Ctx, cfg: dict, gpus: int) -> dict:
         window()
         sync_all()
         times.append(time.perf_counter() - t0)
-    free(net, optimizer, model)
+    del net, optimizer, model, window
+    gc.collect()
     return {"variant": "dataparallel", "world_size": gpus, "gpus": gpus, "processes": 1,
             "global_batch": global_batch, "steps_per_rep": steps,
             "samples_per_s": summary([steps * global_batch / t for t in times]),

@@ -44,20 +44,25 @@ def pct(x: float | None) -> str:
 # Tables: (title, columns, rows) each, used by the terminal and by the doc
 # ---------------------------------------------------------------------------------------
 
+def scaling_label(r: dict) -> str:
+    if r["variant"] == "no_ddp":
+        return "1 process, no DDP"
+    return f"DDP, {r['world_size']} rank" + ("s" if r["world_size"] > 1 else "")
+
+
 def scaling_table(section: dict, device: str = "CPU, gloo") -> tuple[str, list[str], list[list]]:
     cfg = section["config"]
     rows = []
     for r in section["rows"]:
-        label = "1 process, no DDP" if r["variant"] == "no_ddp" else f"DDP, {r['world_size']} rank" + \
-            ("s" if r["world_size"] > 1 else "")
-        rows.append([label, r.get("threads_per_rank", "-"), r["per_rank_batch"],
+        rows.append([scaling_label(r), r.get("threads_per_rank", "-"), r["per_rank_batch"],
                      num(r["samples_per_s"]["median"]), spread(r["samples_per_s"]),
                      f"{r['speedup']:.2f}x" if "speedup" in r else "-",
-                     pct(r.get("efficiency"))])
+                     pct(r.get("efficiency")),
+                     pct(r["cpu_busy"]["median"]) if "cpu_busy" in r else "-"])
     title = (f"DDP throughput ({device}): recipe MLP with hidden {cfg['hidden']}, global batch "
              f"{cfg['global_batch']} for every world size (strong scaling)")
     return title, ["run", "threads/rank", "batch/rank", "samples/s", "min - max", "speedup",
-                   "efficiency"], rows
+                   "efficiency", "CPU busy"], rows
 
 
 def bucketing_table(section: dict) -> tuple[str, list[str], list[list]]:

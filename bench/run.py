@@ -49,8 +49,8 @@ def make_plan(args) -> dict:
         "timeout": args.timeout,
         # The recipe's MLP, wide enough that arithmetic, not communication, dominates a
         # step. Strong scaling: the global batch is the same for every world size.
-        "scaling": {"hidden": 256 if quick else 1024, "global_batch": 256 if quick else 2048,
-                    "steps": 2 if quick else 4},
+        "scaling": {"hidden": 256 if quick else 1024, "global_batch": 256 if quick else 4096,
+                    "steps": 2 if quick else 3},
         "bucketing": {"hidden": 128 if quick else 512, "layers": 4 if quick else 8,
                       "global_batch": 128 if quick else 512, "steps": 2 if quick else 6,
                       "caps": [0.001, None, 100.0] if quick else [0.001, 1.0, None, 100.0],
@@ -135,8 +135,6 @@ def load_average() -> list[float] | None:
 
 def spawn_ranks(worker, world: int, plan: dict) -> dict:
     """Start `world` ranks on a free local port; rank 0 leaves its results in a file."""
-    from bench import measure  # noqa: F401  (the workers live there)
-
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
     # after a failure mp.spawn logs one warning per rank it stops; our one-line error
