@@ -80,9 +80,193 @@ def check_06(path: Path) -> str:
     return "all 4 workers on 2 nodes know who they are, and plain python is a world of one"
 
 
+# ---------------------------------------------------------------------------------------
+# Running a learner's code on several ranks. Each rank is a fresh process (the "spawn"
+# start method, as mp.spawn uses) that joins a gloo group on a free port, with a timeout on
+# the group and on the whole run; it sends back what the rank function returns, or why it
+# failed. A rank that fails makes the others stop at once: they may be waiting for it.
+# ---------------------------------------------------------------------------------------
+
+GROUP_TIMEOUT_S = 20   # every collective and point-to-point message gives up after this
+WORLD_TIMEOUT_S = 120  # a whole run of ranks, start-up included (torch imports take a while)
+
+
+def _where(exc: BaseException, learner: str) -> str:
+    """' (your_file.py, line 12)' for the deepest frame of the learner's file, if any."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == learner]
+    return f" ({Path(learner).name}, line {frames[-1].lineno})" if frames else ""
+
+
+def _rank_main(rank: int, world: int, port: int, target, args: tuple, learner: str,
+               results) -> None:
+    """One rank: join the group, run target(rank, world, *args), report, leave."""
+    import datetime
+    import gc
+    import io
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # several ranks share few cores: one thread each
+
+    def report(kind: str, payload) -> None:
+        results.put((rank, kind, payload))
+        results.close()
+        results.join_thread()  # the message is in the pipe before this process may end
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world,
+                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        value = target(rank, world, *args)
+    except NotYet as exc:
+        report("not yet", str(exc))
+        os._exit(1)  # no destroy_process_group after a failure: the others may be stuck
+    except BaseException as exc:  # noqa: BLE001 - the learner's error, in one line
+        text = " ".join(str(exc).split())
+        text = text if len(text) < 300 else text[:300] + " ..."
+        report("error", f"raised {type(exc).__name__}: {text}{_where(exc, learner)}")
+        os._exit(1)
+    buffer = io.BytesIO()
+    torch.save(value, buffer)  # tensors, numbers, strings, lists, dicts: weights_only-safe
+    report("ok", buffer.getvalue())
+    del value
+    gc.collect()  # free anything (a DDP reducer) that still holds the group, then leave
+    dist.destroy_process_group()
+
+
+def run_world(world: int, target, args: tuple, learner: Path) -> list:
+    """target(rank, world, *args) on `world` new processes in a gloo group: the results by rank.
+
+    Raises NotYet with the first rank's error, or when the ranks do not finish in time.
+    """
+    import io
+    import multiprocessing
+    import queue
+    import time
+
+    import torch
+
+    from common.distributed import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, world, port, target, args, str(learner), results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict = {}
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    quiet_since = None
+    try:
+        while len(got) < world:
+            try:
+                rank, kind, payload = results.get(timeout=0.5)
+                quiet_since = None
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise NotYet(f"the {world} ranks did not finish within {WORLD_TIMEOUT_S}s: "
+                                 f"does a rank wait for a message that never comes?")
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if dead:  # give a message still in the pipe a moment to arrive
+                    quiet_since = quiet_since or time.monotonic()
+                    if time.monotonic() - quiet_since > 3:
+                        raise NotYet(f"with {world} ranks, rank {dead[0]} died (exit code "
+                                     f"{procs[dead[0]].exitcode}) without an error message")
+                continue
+            if kind != "ok":
+                raise NotYet(f"with {world} ranks, rank {rank} {payload}" if kind == "error"
+                             else payload)
+            got[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+    finally:
+        finished = len(got) == world
+        for p in procs:
+            p.join(timeout=15 if finished else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [got[r] for r in range(world)]
+
+
+def _listed(values, limit: int = 6) -> str:
+    values = list(values)
+    return ", ".join(map(str, values[:limit])) + (", ..." if len(values) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------
+# Lesson 07: resume mid-epoch
+# ---------------------------------------------------------------------------------------
+
+def check_07(path: Path) -> str:
+    """Resuming after a snapshot trains exactly the rest of the epoch, in the sampler's order."""
+    from collections import Counter
+
+    from torch.utils.data import DistributedSampler
+
+    module = load(path)
+    # (global step of the snapshot, world size on resume, seed, data set size, global batch)
+    cases = [(40, 2, 0, 3072, 96), (40, 3, 0, 3072, 96), (32, 4, 0, 3072, 96),
+             (5, 1, 0, 3072, 96), (77, 6, 7, 3072, 96), (27, 2, 3, 960, 48)]
+    for step, world, seed, size, batch in cases:
+        per_epoch = size // batch
+        epoch, done = divmod(step, per_epoch)
+        where = (f"resuming after global step {step} (epoch {epoch + 1}, {done} of its "
+                 f"{per_epoch} steps done; global batch {batch}, {size} samples, seed {seed}) "
+                 f"on {world} rank(s)")
+        truth, answers = [], []
+        for rank in range(world):
+            sampler = DistributedSampler(range(size), num_replicas=world, rank=rank,
+                                         shuffle=True, seed=seed)
+            sampler.set_epoch(epoch)
+            truth.append(list(sampler)[done * (batch // world):])
+            try:
+                answers.append([int(i) for i in module.still_to_do(
+                    step, world, rank, seed=seed, dataset_size=size, global_batch=batch)])
+            except Exception as exc:
+                raise NotYet(f"{where}: still_to_do(..., rank={rank}) raised "
+                             f"{type(exc).__name__}: {exc}{_where(exc, str(path))}")
+        sampler = DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
+        sampler.set_epoch(epoch)
+        trained = set(list(sampler)[:done * batch])  # the epoch's first `done` global batches
+        count = Counter(i for answer in answers for i in answer)
+        again = [i for i in count if i in trained]
+        if again:
+            raise NotYet(f"{where}: the ranks would train {len(again)} samples again that the "
+                         f"snapshot's {done} steps of this epoch already trained (ids "
+                         f"{_listed(again)}). How many of this epoch's samples does the "
+                         f"snapshot hold, and how many of them were this rank's?")
+        twice = [i for i, c in count.items() if c > 1]
+        if twice:
+            raise NotYet(f"{where}: {len(twice)} samples would be trained twice by the ranks "
+                         f"together (ids {_listed(twice)}); each rank must keep to its own share")
+        missing = sorted(set(range(size)) - trained - set(count))
+        if missing:
+            raise NotYet(f"{where}: {len(missing)} samples of the epoch would be skipped: no "
+                         f"step has trained them yet, and no rank would train them now (ids "
+                         f"{_listed(missing)})")
+        strange = sorted(set(count) - set(range(size)))
+        if strange:
+            raise NotYet(f"{where}: ids outside the data set: {_listed(strange)}")
+        for rank in range(world):
+            if answers[rank] != truth[rank]:
+                at = next((k for k, (a, b) in enumerate(zip(answers[rank], truth[rank])) if a != b),
+                          min(len(answers[rank]), len(truth[rank])))
+                raise NotYet(f"{where}: rank {rank} gets the right samples, but not in the order "
+                             f"the uninterrupted run would train them (from position {at} on), so "
+                             f"the resumed batches, and the weights, would differ. Keep "
+                             f"DistributedSampler's order for the epoch")
+    return (f"{len(cases)} resumes (mid-epoch, at an epoch boundary, with another world size) "
+            f"train the rest of the epoch exactly once, in the sampler's order")
+
+
 CHECKS = {
     "05": ("exercises/05_set_epoch.py", check_05),
     "06": ("exercises/06_who_am_i.py", check_06),
+    "07": ("exercises/07_resume_mid_epoch.py", check_07),
 }
 
 
