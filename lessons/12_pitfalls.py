@@ -55,7 +55,7 @@ from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, positive_int, run
 from common.distributed import choose_port, spawn, teardown
 from common.results import atomic_write, out_dir, shown
-from common.ui import UI, Timer
+from common.ui import UI, Timer, share_terminal_with_children
 
 # --break NAME -> the step that shows it. Silent bugs give wrong numbers and exit 0.
 BREAKS = {
@@ -135,9 +135,8 @@ def main() -> None:
     debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
     ui.print(f"mp.spawn(worker, nprocs={args.world_size}); collectives time out after "
              f"{args.timeout:g}s; TORCH_DISTRIBUTED_DEBUG={debug}")
-    if args.step:
-        ui.print("[dim]--step: the ranks are spawned without a terminal, so only this step pauses[/dim]")
-        ui.pause()
+    share_terminal_with_children()  # --step: rank 0 asks on this terminal
+    ui.pause(next_step=(2, "Join the process group with a short timeout"))
 
     timer = Timer()
     try:
@@ -164,7 +163,7 @@ def explain(ui: UI, name: str | None, seconds: float) -> None:
 
 def worker(rank: int, world_size: int, args, port: int) -> None:
     """What every rank runs: join, then the pitfalls (all of them, or the one to break)."""
-    ui = UI(rank, world_size)
+    ui = UI(rank, world_size, step_mode=args.step)
     torch.set_num_threads(1)  # 2 cores, 2+ ranks: one thread each, no fighting
     brk = args.brk
 
@@ -672,11 +671,13 @@ def fmt(values) -> str:
 EXPLAIN = {
     "busy-port": (
         "Symptom: rank 0 fails at once with DistNetworkError ... EADDRINUSE, address already in "
-        "use, and the other ranks, who connected to whatever holds the port, would wait until "
-        "the timeout. Cause: rank 0 hosts the rendezvous store on MASTER_PORT, and another "
-        "process (often an earlier run that has not exited) already listens there. Fix: pick "
-        "a free port (leave --master-port out: common.distributed.choose_port asks the OS for "
-        "one), or check it before starting any rank, as choose_port() does with a port you give."),
+        "use, while the other ranks, connected to whatever holds the port, wait for an answer "
+        "that never comes (their store timeout does not end that wait: mp.spawn stops them "
+        "when rank 0 exits). Cause: rank 0 hosts the rendezvous store on MASTER_PORT, and "
+        "another process (often an earlier run that has not exited) already listens there. "
+        "Fix: leave --master-port out (common.distributed.choose_port asks the OS for a free "
+        "port), or check the port before starting any rank, as choose_port() does with a "
+        "port you give."),
     "rank-crash": (
         "Symptom: one rank raised an exception; the other ranks were waiting for it in a "
         "collective, and the job ended at once with the crashed rank's error. Cause: a rank "
