@@ -108,7 +108,7 @@ def render(results: dict, images: dict, note: str | None) -> str:
     out += ["## Reproduce", "",
             "```bash",
             f"make bench                                        # the suite (this run: {results['wall_seconds']:.0f} s), rewrites this page",
-            "make bench ARGS=\"--quick\"                         # a smoke run in well under a minute (numbers meaningless)",
+            "make bench ARGS=\"--quick\"                         # a smoke run into runs/bench-quick (numbers meaningless)",
             "make bench ARGS=\"--only scaling --reps 7\"         # one benchmark, more repetitions",
             ".venv/bin/pip install -r requirements-bench.txt   # matplotlib, for the plots (optional)",
             "python -m bench.run --write-doc                   # this page again from runs/bench/results.json",

@@ -13,7 +13,6 @@ docs/PERFORMANCE.md from the JSON.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import logging
@@ -176,12 +175,14 @@ def derive_no_sync(rows: list[dict]) -> None:
 
 
 def parse_args():
-    parser = LessonParser(description="The benchmark suite: measured DDP speedups and costs",
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = LessonParser(prog="python -m bench.run",
+                          description="The benchmark suite: measured DDP speedups and costs")
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes and few repetitions: checks the suite runs (tests)")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench",
-                        help="folder for results.json and the PNG plots")
+                        help="small sizes and few repetitions: checks that the suite runs (the tests use it)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for results.json and the PNG plots (default: runs/bench, "
+                             "or runs/bench-quick with --quick, so a smoke run never replaces "
+                             "the real results)")
     parser.add_argument("--only", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                         default=None, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     parser.add_argument("--reps", type=positive_int, default=None,
@@ -189,13 +190,13 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed warm-up repetitions before them (default 1)")
     parser.add_argument("--threads", type=positive_int, default=1,
-                        help="torch threads per rank (1: ranks never compete for a core)")
+                        help="torch threads per rank (default 1: ranks never compete for a core)")
     parser.add_argument("--max-ranks", type=positive_int, default=MAX_CPU_RANKS,
-                        help="most CPU ranks for DDP scaling (also capped by the core count)")
+                        help="most CPU ranks for DDP scaling, also capped by the core count (default 8)")
     parser.add_argument("--timeout", type=positive_float, default=120.0,
-                        help="seconds a collective may wait before the run fails")
+                        help="seconds a collective may wait before the run fails (default 120)")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "PERFORMANCE.md",
-                        help="the Markdown report a full run regenerates")
+                        help="the Markdown report a full run regenerates (default docs/PERFORMANCE.md)")
     parser.add_argument("--no-doc", action="store_true",
                         help="do not regenerate --doc after a full run")
     parser.add_argument("--write-doc", action="store_true",
@@ -204,6 +205,8 @@ def parse_args():
                         help=f"exit 1 when 2 ranks reach less than {REQUIRED_SPEEDUP_2}x one "
                              f"rank on a 2-core machine")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = ROOT / "runs" / ("bench-quick" if args.quick else "bench")
     unknown = sorted(set(args.only or []) - set(BENCHMARKS))
     if unknown:
         fail(f"--only {','.join(unknown)}: no such benchmark; choose from {','.join(BENCHMARKS)}")
