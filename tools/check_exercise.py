@@ -263,10 +263,120 @@ def check_07(path: Path) -> str:
             f"train the rest of the epoch exactly once, in the sampler's order")
 
 
+# ---------------------------------------------------------------------------------------
+# Lesson 08: accumulation with no_sync
+# ---------------------------------------------------------------------------------------
+
+SEED = 0
+
+
+def _counting_hook(state: dict, bucket):
+    """A DDP comm hook: count every bucket and every full sync, then all-reduce as DDP would."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    state["calls"] += 1
+    state["syncs"] += int(bucket.is_last())
+    return allreduce_hook(None, bucket)
+
+
+def _rank_08(rank: int, world: int, path: str, accums: tuple, steps: int) -> list:
+    """Build lesson 08's DDP model with a counting hook and let the learner's loop train it,
+    once for each number of micro-batches per step in `accums`."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from common import recipe
+
+    module = load(Path(path))
+    x_all, y_all = recipe.synthetic_data()[0].tensors
+    order = torch.tensor(recipe.epoch_order(len(y_all), SEED, 0))
+    per_rank = recipe.GLOBAL_BATCH // world
+    runs = []
+    for accum in accums:
+        micro = per_rank // accum
+        batches = []
+        for k in range(steps):  # rank r's share of global batch k, as DistributedSampler deals it
+            mine = order[k * recipe.GLOBAL_BATCH + rank:(k + 1) * recipe.GLOBAL_BATCH:world]
+            batches += [(x_all[mine[m * micro:(m + 1) * micro]],
+                         y_all[mine[m * micro:(m + 1) * micro]]) for m in range(accum)]
+        model = recipe.make_model(SEED)
+        ddp_model = DDP(model)
+        counter = {"calls": 0, "syncs": 0}
+        ddp_model.register_comm_hook(counter, _counting_hook)
+        optimizer = recipe.make_optimizer(ddp_model)
+        stepped = [0]
+        optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, stepped[0] + 1))
+        module.accumulate(ddp_model, optimizer, batches, accum)
+        del ddp_model, optimizer
+        runs.append({"calls": counter["calls"], "syncs": counter["syncs"], "steps": stepped[0],
+                     "micro_batches": len(batches),
+                     "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}})
+    return runs
+
+
+def _reference_08(steps: int) -> dict:
+    """One process, no accumulation: one optimizer step per global batch of 96."""
+    import torch
+    import torch.nn.functional as F
+
+    from common import recipe
+
+    torch.set_num_threads(1)
+    x_all, y_all = recipe.synthetic_data()[0].tensors
+    order = torch.tensor(recipe.epoch_order(len(y_all), SEED, 0))
+    model = recipe.make_model(SEED)
+    optimizer = recipe.make_optimizer(model)
+    for k in range(steps):
+        idx = order[k * recipe.GLOBAL_BATCH:(k + 1) * recipe.GLOBAL_BATCH]
+        loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
+
+
+def check_08(path: Path) -> str:
+    """One all-reduce per optimizer step, and the weights of training without accumulation."""
+    load(path)  # a file that does not even import fails here, before any rank starts
+    world, steps, accums = 2, 6, (4, 2)
+    reference = _reference_08(steps)
+    ranks = run_world(world, _rank_08, (str(path), accums, steps), path)
+    for i, accum in enumerate(accums):
+        runs = [r[i] for r in ranks]
+        setup = (f"{world} ranks, {steps} global batches of 96, {accum} micro-batches of "
+                 f"{96 // world // accum} per rank and step")
+        r0 = runs[0]
+        if r0["steps"] != steps:
+            raise NotYet(f"{setup}: the optimizer stepped {r0['steps']} times for "
+                         f"{r0['micro_batches']} micro-batches; it should step once every "
+                         f"{accum} of them, {steps} times in all")
+        spread = max(_max_diff(r["weights"], r0["weights"]) for r in runs)
+        if spread > 0:
+            raise NotYet(f"{setup}: the ranks' weights differ by up to {spread:.1e}: some step "
+                         f"used a gradient that was never all-reduced")
+        if r0["syncs"] != steps:
+            raise NotYet(f"{setup}: DDP all-reduced the gradients {r0['syncs']} times "
+                         f"({r0['calls']} bucket calls) for {steps} optimizer steps; it should be "
+                         f"once per step. Which backward passes should sync, and where does DDP decide "
+                         f"that? (lesson 08, Steps 6 and 8)")
+        diff = _max_diff(r0["weights"], reference)
+        if diff > 1e-5:
+            raise NotYet(f"{setup}: one all-reduce per step, but the weights are {diff:.1e} away "
+                         f"from one process training on each global batch of 96 at once (allowed: "
+                         f"1e-5). Compare the accumulated gradient with the big batch's: what "
+                         f"does each micro-batch's loss average over? (lesson 08, Step 9)")
+    return (f"{world} ranks, 4 and 2 micro-batches per step: one all-reduce per optimizer step, "
+            f"and the weights of training without accumulation (max diff {diff:.1e})")
+
+
 CHECKS = {
     "05": ("exercises/05_set_epoch.py", check_05),
     "06": ("exercises/06_who_am_i.py", check_06),
     "07": ("exercises/07_resume_mid_epoch.py", check_07),
+    "08": ("exercises/08_accumulate.py", check_08),
 }
 
 
