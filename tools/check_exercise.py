@@ -372,11 +372,119 @@ def check_08(path: Path) -> str:
             f"and the weights of training without accumulation (max diff {diff:.1e})")
 
 
+# ---------------------------------------------------------------------------------------
+# Lesson 09: the module. prefix
+# ---------------------------------------------------------------------------------------
+
+def _rank_09(rank: int, world: int, path: str) -> dict:
+    """Save a DDP model whose parts are called `module` and `submodule`, strip the keys with
+    the learner's function, and load them strictly into the plain model."""
+    import torch
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Residual(nn.Module):  # x + module(x): lesson 09's block, its child called `module`
+        def __init__(self, module: nn.Module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x):
+            return x + self.module(x)
+
+    class Stem(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.submodule = nn.Linear(16, 32)
+
+        def forward(self, x):
+            return self.submodule(x).relu()
+
+    class TinyNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = Stem()
+            self.block = Residual(nn.Linear(32, 32))
+            self.head = nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.head(self.block(self.stem(x)))
+
+    module = load(Path(path))
+    torch.manual_seed(0)
+    trained = TinyNet()
+    ddp_model = DDP(trained)
+    saved = ddp_model.state_dict()  # the file a DDP job writes: module.stem.submodule.weight, ...
+    stripped = module.strip_prefix(saved, "module.")
+    if stripped is None:
+        raise NotYet("strip_prefix returned None; return the new state_dict")
+    torch.manual_seed(1)
+    plain = TinyNet()  # other initial weights: loading must overwrite every one of them
+    result = {"saved": list(saved), "stripped": [str(k) for k in stripped]}
+    try:
+        plain.load_state_dict(stripped, strict=True)
+        result["error"] = ""
+        result["max_diff"] = max((plain.state_dict()[k] - v).abs().max().item()
+                                 for k, v in trained.state_dict().items())
+    except RuntimeError as exc:
+        result["error"] = " ".join(str(exc).split()).rstrip(".")
+    del ddp_model
+    return result
+
+
+def check_09(path: Path) -> str:
+    """Only the prefix is stripped: a real DDP checkpoint loads strictly into the plain model."""
+    import torch
+
+    module = load(path)
+    [ddp] = run_world(1, _rank_09, (str(path),), path)
+    pairs = _listed((f"{a} -> {b}" for a, b in zip(ddp["saved"], ddp["stripped"])), 3)
+    if ddp["error"]:
+        raise NotYet(f"DDP(TinyNet()).state_dict(), stripped of 'module.', does not load into a "
+                     f"plain TinyNet: {ddp['error'][:400]}. Your keys: {pairs}. Which part of "
+                     f"each key belongs to the wrapper? (lesson 09, Step 5)")
+    if ddp["max_diff"] != 0:
+        raise NotYet(f"the stripped state_dict loads, but the weights differ from the saved "
+                     f"model's by {ddp['max_diff']:.1e}: keep every tensor with its own key")
+    w = [torch.full((2,), float(i)) for i in range(4)]
+    cases = [
+        ("an already plain checkpoint (nothing to strip)", "module.",
+         {"stem.submodule.weight": w[0], "block.module.bias": w[1]},
+         {"stem.submodule.weight": w[0], "block.module.bias": w[1]}),
+        ("torch.compile's prefix", "_orig_mod.",
+         {"_orig_mod.block.module.weight": w[0], "_orig_mod.head._orig_mod_x": w[1]},
+         {"block.module.weight": w[0], "head._orig_mod_x": w[1]}),
+        ("a model with parts called `decoder` and `module`", "module.",
+         {"module.decoder.weight": w[0], "module.module.bias": w[1]},
+         {"decoder.weight": w[0], "module.bias": w[1]}),
+        ("DDP around torch.compile, one layer at a time", "module.",
+         {"module._orig_mod.fc1.weight": w[2], "module._orig_mod.module.bias": w[3]},
+         {"_orig_mod.fc1.weight": w[2], "_orig_mod.module.bias": w[3]}),
+    ]
+    for what, prefix, given, wanted in cases:
+        before = dict(given)
+        try:
+            got = module.strip_prefix(given, prefix)
+        except Exception as exc:
+            raise NotYet(f"strip_prefix on {what} raised {type(exc).__name__}: "
+                         f"{exc}{_where(exc, str(path))}")
+        if got is None:
+            raise NotYet("strip_prefix returned None; return the new state_dict")
+        if list(got) != list(wanted):
+            raise NotYet(f"strip_prefix(..., {prefix!r}) on {what}: keys {list(before)} became "
+                         f"{list(got)}; expected {list(wanted)}")
+        if any(got[k] is not v and not torch.equal(got[k], v) for k, v in wanted.items()):
+            raise NotYet(f"strip_prefix(..., {prefix!r}) on {what}: the keys are right but some "
+                         f"tensors changed; keep every tensor with its key")
+    return (f"a DDP checkpoint with `module` and `submodule` parts loads strictly after "
+            f"stripping; plain keys stay as they are, and compile's prefix works too")
+
+
 CHECKS = {
     "05": ("exercises/05_set_epoch.py", check_05),
     "06": ("exercises/06_who_am_i.py", check_06),
     "07": ("exercises/07_resume_mid_epoch.py", check_07),
     "08": ("exercises/08_accumulate.py", check_08),
+    "09": ("exercises/09_strip_prefix.py", check_09),
 }
 
 
