@@ -19,6 +19,7 @@ Run:
 Doc: docs/03_data_parallel.md
 """
 import copy
+import statistics
 import sys
 import threading
 import time
@@ -232,8 +233,13 @@ def main() -> None:
     if real:
         for i in range(n):
             torch.cuda.reset_peak_memory_stats(i)
-    stage_seconds = dict.fromkeys(STAGES, 0.0)
-    replica_seconds = [0.0] * n
+    stage_seconds = {stage: [] for stage in STAGES}
+    replica_seconds = [[] for _ in range(n)]
+    threads = torch.get_num_threads()
+    if not real:
+        # One core per simulated device: otherwise every replica thread would start its own
+        # pool of intra-op threads, and on a small CPU they would fight over the cores.
+        torch.set_num_threads(1)
     losses: list[float] = []
     timer = Timer()
     steps = args.epochs * len(loader)
@@ -242,7 +248,7 @@ def main() -> None:
     def timed(stage: str, fn, *a):
         start = time.perf_counter()
         result = fn(*a)
-        stage_seconds[stage] += time.perf_counter() - start
+        stage_seconds[stage].append(time.perf_counter() - start)
         return result
 
     with ui.progress(steps, "training") as bar:
@@ -256,7 +262,8 @@ def main() -> None:
                     replicas = timed("replicate", replicate_by_hand, model, n)
                     outputs, seconds = timed("parallel forward", parallel_apply_by_hand,
                                              replicas, chunks)
-                    replica_seconds = [a + b for a, b in zip(replica_seconds, seconds)]
+                    for i, sec in enumerate(seconds):
+                        replica_seconds[i].append(sec)
                     out = timed("gather", gather_by_hand, outputs, dev0)
                 loss = timed("loss", F.cross_entropy, out, y.to(dev0))
                 optimizer.zero_grad(set_to_none=True)
@@ -275,7 +282,8 @@ def main() -> None:
     # steps the optimizer. The others only run their replica. That is the "parameter
     # server" shape, and it caps how far DataParallel scales.
     ui.step(5, "Measure each device's load")
-    per_step = {k: 1000 * v / steps for k, v in stage_seconds.items()}
+    # Medians over the training steps: a busy machine adds spikes, the median ignores them.
+    per_step = {k: 1000 * statistics.median(v) if v else 0.0 for k, v in stage_seconds.items()}
     load, load_note = [], {}
     if real:
         for i in range(n):
@@ -316,11 +324,11 @@ def main() -> None:
             if i == 0:  # the originals, their summed grads, SGD momentum, the gathered batch
                 extra = nbytes(params) * 3 + nbytes([torch.cat(outputs), y])
             load.append({"device": names[i], "samples_per_step": chunks[i].shape[0],
-                         "replica_forward_ms": 1000 * replica_seconds[i] / steps,
+                         "replica_forward_ms": 1000 * statistics.median(replica_seconds[i]),
                          "bytes_replica": own, "bytes_device0_only": extra})
         assert nbytes(momentum) == nbytes(params)
         device0_ms = per_step["gather"] + per_step["loss"] + per_step["optimizer step"]
-        ui.table("one step, per simulated device (times are means over all training steps)",
+        ui.table("one step, per simulated device (times: median over the training steps)",
                  ["device", "samples", "replica forward", "device 0 only: gather+loss+step",
                   "tensors held"],
                  [[d["device"], d["samples_per_step"], f"{d['replica_forward_ms']:.3f} ms",
@@ -332,7 +340,7 @@ def main() -> None:
                  f"KiB each: {b0 / load[1]['bytes_replica']:.1f}x, because the weights, their gradients "
                  f"and the optimizer state live only there")
         assert b0 > load[1]["bytes_replica"]
-        ui.table("where one step's time goes on the host (mean per step)",
+        ui.table("where one step's time goes on the host (median per step)",
                  ["stage", "ms", "runs on"],
                  [[s, f"{per_step[s]:.3f}",
                    {"scatter": "host -> every device", "replicate": "device 0 -> every device",
@@ -357,6 +365,8 @@ def main() -> None:
         ui.print(f"replicating the model costs {per_step['replicate']:.3f} ms, at every step")
         load_note = {"threads_forward_ms": round(threads_ms, 4),
                      "one_thread_forward_ms": round(one_thread_ms, 4)}
+
+    torch.set_num_threads(threads)
 
     # Step 6: Compare with lesson 01 and save
     # The loss is computed on the whole gathered batch and the replicas' gradients are
