@@ -364,8 +364,8 @@ def pitfall_unused_parameters(ui, rank, world_size, args, data, store, evidence)
             names = [n for n, _ in model.module.named_parameters()]
             found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message)
             which = [names[int(i)] for i in found.group(1).split()] if found else []
-            sentences = " ".join(message.split(". ")[:2])  # the first two of many sentences
-            ui.say_all(f"step {step}: DDP raised RuntimeError: {escape(sentences)}. ...")
+            sentences = ". ".join(message.split(". ")[:2])  # the first two of many sentences
+            ui.say_all(f"step {step}: DDP raised RuntimeError: {escape(sentences)} ...")
             ui.say_all(f"  ... and, further down: {escape(found.group(0) if found else '?')} "
                        f"(index -> name: {', '.join(which)})")
             leave(1)
