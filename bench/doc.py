@@ -227,9 +227,7 @@ def scaling_section(sec: dict, m: dict, images: dict, note) -> list[str]:
 
 
 def bucketing_section(sec: dict, m: dict, images: dict, note) -> list[str]:
-    cfg, rows = sec["config"], sec["rows"]
-    overl = [r for r in rows if r["overlap"]]
-    defer = [r for r in rows if not r["overlap"]]
+    cfg = sec["config"]
     out = ["## 2. Gradient buckets, and overlapping communication with backward", "",
            f"DDP does not all-reduce each gradient on its own: it packs them into *buckets* of "
            f"at most `bucket_cap_mb` MiB and all-reduces a bucket as soon as all of its "
@@ -245,6 +243,21 @@ def bucketing_section(sec: dict, m: dict, images: dict, note) -> list[str]:
            md_table(*report.bucketing_table(sec)),
            image(images, "bucketing.png", "DDP throughput for several bucket sizes", note),
            "**What it teaches**", ""]
+    out += bucket_lines(sec)
+    out += ["* Overlap pays when communication can run on hardware the computation is not "
+            "using. On GPUs, NCCL moves data while the backward kernels compute. On a CPU "
+            "with one core per rank, gloo's adding and copying competes with backward for "
+            "that same core, so there is little idle hardware to hide the communication in, "
+            "and the gain is small or nothing.", ""]
+    return out
+
+
+def bucket_lines(sec: dict) -> list[str]:
+    """Calls per bucket size, the fastest and slowest size, overlap on vs off."""
+    cfg, rows = sec["config"], sec["rows"]
+    overl = [r for r in rows if r["overlap"]]
+    defer = [r for r in rows if not r["overlap"]]
+    out = []
     calls = ", ".join(f"{report.cap_label(r['bucket_cap_mb'])} MiB: {r['calls_per_backward']:g}"
                       for r in overl)
     agree = all(r["calls_per_backward"] == r["buckets_expected"] for r in rows)
@@ -279,11 +292,6 @@ def bucketing_section(sec: dict, m: dict, images: dict, note) -> list[str]:
                        f"{report.num(twin['samples_per_s']['median'])} samples/s, with all "
                        f"communication after backward {report.num(d['samples_per_s']['median'])}: "
                        f"overlap's throughput was {compare(twin['samples_per_s'], d['samples_per_s'])}.")
-    out += ["* Overlap pays when communication can run on hardware the computation is not "
-            "using. On GPUs, NCCL moves data while the backward kernels compute. On a CPU "
-            "with one core per rank, gloo's adding and copying competes with backward for "
-            "that same core, so there is little idle hardware to hide the communication in, "
-            "and the gain is small or nothing.", ""]
     return out
 
 
@@ -376,6 +384,13 @@ def no_sync_section(sec: dict, images: dict, note) -> list[str]:
            md_table(*report.no_sync_table(sec)),
            image(images, "no_sync.png", "time per optimizer step, naive vs no_sync", note),
            "**What it teaches**", ""]
+    return out + no_sync_lines(sec) + [""]
+
+
+def no_sync_lines(sec: dict) -> list[str]:
+    """Calls and time per optimizer step, naive vs no_sync, for each configuration."""
+    rows, accum = sec["rows"], sec["config"]["accum"]
+    out = []
     saved = {}
     for config in dict.fromkeys(r["config"] for r in rows):
         naive = next((r for r in rows if r["config"] == config and r["method"] == "naive"), None)
@@ -394,7 +409,6 @@ def no_sync_section(sec: dict, images: dict, note) -> list[str]:
         out.append(f"* no_sync saves the communication of {accum - 1} of every {accum} "
                    f"micro-batches, so what it is worth depends on communication's share of a "
                    f"step: {f2:.0%} for {c2}, {f1:.0%} for {c1}.")
-    out.append("")
     return out
 
 
@@ -402,9 +416,12 @@ def gpu_section(sec: dict, images: dict, note) -> list[str]:
     out = ["## 5. GPUs: DDP on NCCL, and DataParallel vs DDP", ""]
     if "skipped" in sec:
         return out + [f"**Skipped: {sec['skipped']}.** On a machine with GPUs, `make bench` "
-                      f"also measures DDP over NCCL on 1, 2, 4, ... GPUs, nn.DataParallel "
-                      f"against DDP on the same GPUs (2 or more), and NCCL's all-reduce "
-                      f"bandwidth, and this section shows them.", ""]
+                      f"also measures DDP over NCCL on 1, 2, 4, ... GPUs, sections 2 and 4 "
+                      f"on 2 GPUs, nn.DataParallel against DDP on the same GPUs (2 or more), "
+                      f"and NCCL's all-reduce bandwidth, and this section shows them. Lesson "
+                      f"10's hand-written all-reduces run on gloo only, as in the lesson.", ""]
+    if "failed" in sec:
+        return out + [f"**Failed: {sec['failed']}.** The CPU sections above are complete.", ""]
     out += [f"The recipe MLP with hidden {sec['config']['hidden']}, global batch "
             f"{sec['config']['global_batch']}, one process per GPU over NCCL "
             f"({sec['gpus']} GPU(s)).", ""]
@@ -430,5 +447,14 @@ def gpu_section(sec: dict, images: dict, note) -> list[str]:
                        f"gradients.")
     if sec.get("dataparallel_skipped"):
         out.append(f"* DataParallel vs DDP: skipped: {sec['dataparallel_skipped']}.")
+    if sec.get("bucketing_skipped"):
+        out.append(f"* Bucketing and no_sync: skipped: {sec['bucketing_skipped']}.")
+    if sec.get("bucketing", {}).get("rows"):
+        out += [f"* Buckets on 2 GPUs (section 2's comparison, hidden "
+                f"{sec['bucketing']['config']['hidden']}):"] + \
+               ["  " + line for line in bucket_lines(sec["bucketing"])]
+    if sec.get("no_sync", {}).get("rows"):
+        out += ["* no_sync on 2 GPUs (section 4's comparison):"] + \
+               ["  " + line for line in no_sync_lines(sec["no_sync"])]
     out.append("")
     return out

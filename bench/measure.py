@@ -560,8 +560,9 @@ def gpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
                             timeout=timeout, **({"device_id": device} if cuda else {}))
     lobby = dist.new_group(list(range(world)), backend="gloo",
                            timeout=datetime.timedelta(seconds=LOBBY_TIMEOUT_S))
-    _groups(ctx, set(cfg["worlds"]), backend, timeout)
-    results: dict = {"scaling": [], "dataparallel": [], "allreduce": []}
+    _groups(ctx, set(cfg["worlds"]) | ({2, world} if world >= 2 else set()), backend, timeout)
+    results: dict = {"scaling": [], "bucketing": [], "no_sync": [], "dataparallel": [],
+                     "allreduce": []}
     for n in cfg["worlds"]:
         started = time.perf_counter()
         if rank < n:
@@ -572,6 +573,17 @@ def gpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
                 ctx.ui.print(progress_line("gpu scaling", n, rows, time.perf_counter() - started))
         dist.barrier(group=lobby)
     if world >= 2:
+        # sections 2 and 4 of the CPU suite, on 2 GPUs (NCCL)
+        for kind, measure_fn in (("bucketing", bucketing), ("no_sync", no_sync)):
+            started = time.perf_counter()
+            if rank < 2:
+                rows = measure_fn(ctx, 2, cfg[kind])
+                if rank == 0:
+                    results[kind] = rows
+                    _save(result_path, results)
+                    ctx.ui.print(progress_line(f"gpu {kind}", 2, rows,
+                                               time.perf_counter() - started))
+            dist.barrier(group=lobby)
         if rank == 0:
             results["dataparallel"].append(dataparallel(ctx, cfg, world))
             _save(result_path, results)
@@ -613,9 +625,9 @@ def progress_line(kind: str, n: int, rows: list[dict], seconds: float) -> str:
     if kind in ("scaling", "gpu scaling"):
         what = ", ".join(f"{r['variant']} {r['samples_per_s']['median']:,.0f} samples/s"
                          for r in rows)
-    elif kind == "bucketing":
+    elif kind.endswith("bucketing"):
         what = f"{len(rows)} settings"
-    elif kind == "no_sync":
+    elif kind.endswith("no_sync"):
         what = ", ".join(f"{r['config']} {r['method']} {r['step_ms']['median']:.1f} ms"
                          for r in rows)
     else:

@@ -114,10 +114,14 @@ def no_sync_table(section: dict) -> tuple[str, list[str], list[list]]:
 
 
 def gpu_tables(section: dict) -> list[tuple[str, list[str], list[list]]]:
-    if "skipped" in section:
+    if "skipped" in section or "failed" in section:
         return []
     tables = [scaling_table({"config": section["config"], "rows": section["scaling"]},
                             device="CUDA, NCCL")]
+    for key, make in (("bucketing", bucketing_table), ("no_sync", no_sync_table)):
+        if section.get(key, {}).get("rows"):
+            title, columns, rows = make(section[key])
+            tables.append((f"GPUs, NCCL: {title}", columns, rows))
     if section.get("dataparallel"):
         ddp = {r["world_size"]: r for r in section["scaling"] if r["variant"] == "ddp"}
         rows = []
@@ -169,6 +173,8 @@ def print_tables(ui, results: dict) -> None:
                  f"(target {check['required_speedup']}x: {verdict}){where}")
     if "gpu" in b and "skipped" in b["gpu"]:
         ui.print(f"\nGPU benchmarks: skipped: {b['gpu']['skipped']}")
+    elif "gpu" in b and "failed" in b["gpu"]:
+        ui.print(f"\nGPU benchmarks: FAILED: {b['gpu']['failed']}")
     elif "gpu" in b and b["gpu"].get("dataparallel_skipped"):
         ui.print(f"\nDataParallel vs DDP: skipped: {b['gpu']['dataparallel_skipped']}")
 

@@ -69,6 +69,15 @@ def make_plan(args) -> dict:
                 "allreduce_sizes": [1_000_000] if quick else [1_000_000, 16_000_000, 64_000_000],
                 "allreduce_inner": 2 if quick else 10},
     }
+    # the same bucketing and no_sync comparisons on 2 GPUs, with sizes that keep a GPU busy
+    plan["gpu"]["bucketing"] = {**plan["bucketing"], "hidden": 256 if quick else 2048,
+                                "global_batch": 256 if quick else 8192,
+                                "steps": 2 if quick else 10}
+    plan["gpu"]["no_sync"] = {"accum": 4, "configs": [
+        {"name": "compute-bound", "hidden": plan["gpu"]["hidden"],
+         "global_batch": plan["gpu"]["global_batch"], "steps": 2 if quick else 5},
+        plan["no_sync"]["configs"][1],
+    ]}
     cpus = os.cpu_count() or 1
     # 1 and 2 ranks always (the comparison the suite is about); more while cores allow
     top = min(cpus, args.max_ranks)
@@ -164,6 +173,18 @@ def derive_scaling(rows: list[dict], cpus: int, threads: int) -> dict:
              "speedup": ddp[2].get("speedup") if 2 in ddp else None}
     check["met"] = check["speedup"] is not None and check["speedup"] >= REQUIRED_SPEEDUP_2
     return check
+
+
+def bucketing_section(cfg: dict, rows: list[dict]) -> dict:
+    """The bucketing results with what a reader needs to check the counts: every
+    gradient's size and DDP's default limits."""
+    from bench import measure
+
+    probe = measure.deep_mlp(cfg["hidden"], cfg["layers"])
+    return {"config": {**cfg, "param_bytes": measure.param_bytes(probe),
+                       "default_bucket_cap_mb": measure.DEFAULT_BUCKET_CAP_MB,
+                       "default_first_bucket_bytes": torch.distributed._DEFAULT_FIRST_BUCKET_BYTES},
+            "model": "deep_mlp", "rows": rows}
 
 
 def derive_no_sync(rows: list[dict]) -> None:
@@ -262,13 +283,7 @@ def main() -> None:
                                 "model": "recipe.MLP", "strong_scaling": True,
                                 "rows": got["scaling"], "check": check}
         if "bucketing" in plan["benchmarks"]:
-            probe = measure.deep_mlp(plan["bucketing"]["hidden"], plan["bucketing"]["layers"])
-            bench["bucketing"] = {"config": {**plan["bucketing"],
-                                             "param_bytes": measure.param_bytes(probe),
-                                             "default_bucket_cap_mb": measure.DEFAULT_BUCKET_CAP_MB,
-                                             "default_first_bucket_bytes":
-                                                 torch.distributed._DEFAULT_FIRST_BUCKET_BYTES},
-                                  "model": "deep_mlp", "rows": got["bucketing"]}
+            bench["bucketing"] = bucketing_section(plan["bucketing"], got["bucketing"])
         if "no_sync" in plan["benchmarks"]:
             derive_no_sync(got["no_sync"])
             bench["no_sync"] = {"config": plan["no_sync"], "model": "recipe.MLP",
@@ -288,11 +303,23 @@ def main() -> None:
             cfg["worlds"] = [n for n in (1, 2, 4, 8, 16) if n <= gpus and cfg["global_batch"] % n == 0]
             gpu_plan = {**plan, "gpu": cfg}
             ui.print(f"starting {gpus} GPU ranks (NCCL)")
-            got = spawn_ranks(measure.gpu_worker, gpus, gpu_plan)
-            derive_scaling(got["scaling"], cpus, plan["threads_per_rank"])
-            bench["gpu"] = {"config": cfg, "backend": "nccl", "gpus": gpus, **got}
-            if gpus < 2:
-                bench["gpu"]["dataparallel_skipped"] = "DataParallel vs DDP needs 2 or more GPUs"
+            try:
+                got = spawn_ranks(measure.gpu_worker, gpus, gpu_plan)
+            except SystemExit as exc:  # keep the CPU results; the error line is printed above
+                gpu_failed = f"the GPU ranks failed (exit code {exc.code}); see the error above"
+                bench["gpu"] = {"failed": gpu_failed}
+            else:
+                derive_scaling(got["scaling"], cpus, plan["threads_per_rank"])
+                derive_no_sync(got["no_sync"])
+                bench["gpu"] = {"config": cfg, "backend": "nccl", "gpus": gpus, **got}
+                if got["bucketing"]:
+                    bench["gpu"]["bucketing"] = bucketing_section(cfg["bucketing"], got["bucketing"])
+                    bench["gpu"]["no_sync"] = {"config": cfg["no_sync"], "model": "recipe.MLP",
+                                               "rows": got["no_sync"]}
+                if gpus < 2:
+                    skipped = "needs 2 or more GPUs"
+                    bench["gpu"]["dataparallel_skipped"] = f"DataParallel vs DDP {skipped}"
+                    bench["gpu"]["bucketing_skipped"] = f"bucketing and no_sync on GPUs {skipped}"
 
     machine["load_average_end"] = load_average()
     results["wall_seconds"] = round(time.perf_counter() - started, 1)
@@ -308,6 +335,8 @@ def main() -> None:
         from bench import doc
         ui.print(f"wrote {shown(doc.write_doc(results_path, args.doc))}")
     ui.print(f"the suite took {results['wall_seconds']:.0f} s")
+    if "failed" in bench.get("gpu", {}):
+        fail(f"{bench['gpu']['failed']}; the CPU results were written", code=1)
     check = bench.get("scaling", {}).get("check")
     if args.strict and check and check["applies"] and not check["met"]:
         fail(f"2 ranks reached {check['speedup']}x one rank's throughput; "
