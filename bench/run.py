@@ -1,7 +1,7 @@
 """The benchmark suite: measured speedups and costs, not claims.
 
 Run:
-    make bench                               # the full suite, about 5 minutes on 2 cores
+    make bench                               # the full suite, under 5 minutes on 2 cores
     make bench ARGS="--quick"                # a fast smoke run (what the tests use)
     python -m bench.run --only scaling --reps 7
     python -m bench.run --write-doc          # docs/PERFORMANCE.md from runs/bench/results.json
