@@ -37,7 +37,7 @@ help:
 	@echo "  make check-NN   check your answer to lesson NN's exercise (make checks lists them)"
 	@echo "  make diff FROM=04 TO=05  what changed between two lessons' code"
 	@echo "  make test       run the test suite (pytest, CPU only, a few minutes)"
-	@echo "  make bench      measured speedups and costs (about 5 minutes)"
+	@echo "  make bench      measured speedups and costs (a few minutes; docs/PERFORMANCE.md)"
 	@echo "  make docs-output  rerun the commands whose output the docs show (DOCS=docs/01_*.md)"
 	@echo "  make venv       create .venv and install requirements.txt (done automatically)"
 	@echo "  make clean      delete runs/ and caches (keeps .venv)"
