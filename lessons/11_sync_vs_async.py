@@ -183,7 +183,10 @@ def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
         ui.step(3, "Train asynchronously (Hogwild)")
         a = shared["async"]
         train_async(rank, n, args, data, ui, a)
-        wait_at(a["finish_line"], rank, args, "the finish line")  # all updates are in
+        # all updates are in; the slow worker may still be in its last batch, so allow
+        # for that on top of the timeout
+        wait_at(a["finish_line"], rank, args, "the finish line",
+                extra=args.work_ms / 1e3 * args.slow_factor)
         if rank == 0:
             results["async"] = summarise(ui, "async", a["model"], data, a,
                                          a["staleness"].tolist(), a["owner"].tolist(), args)
@@ -273,13 +276,7 @@ def train_sync(rank: int, n: int, args, data, ui: UI, sh: dict):
             try:
                 dist.all_reduce(flat)  # SUM; returns once the slowest worker has sent too
             except RuntimeError as exc:
-                if "Timed out" not in str(exc):
-                    raise
-                raise RuntimeError(
-                    f"rank {rank} waited more than --timeout {args.timeout:g}s in all-reduce at "
-                    f"step {step}: a synchronous step waits for the slowest worker (worker "
-                    f"{args.slow_rank}: {args.work_ms * args.slow_factor:g} ms per batch); "
-                    f"raise --timeout or lower --slow-factor") from None
+                explain_straggler(exc, rank, step, args)
             flat /= n  # the mean of N means over 96/N samples = the mean over 96 samples
             offset = 0
             for p in params:
@@ -300,6 +297,20 @@ def train_sync(rank: int, n: int, args, data, ui: UI, sh: dict):
                    step * recipe.GLOBAL_BATCH / (time.time() - start))
     stats[rank, START], stats[rank, END] = start, time.time()
     return model
+
+
+def explain_straggler(exc: RuntimeError, rank: int, step: int, args) -> None:
+    """Re-raise gloo's timeout as what it means here. The first worker to time out exits;
+    the others then see "Connection closed by peer": the same cause, the same message."""
+    text = str(exc)
+    if "Timed out" not in text and "Connection closed by peer" not in text:
+        raise exc
+    what = "waited" if "Timed out" in text else "lost a worker that had waited"
+    raise RuntimeError(
+        f"rank {rank} {what} more than --timeout {args.timeout:g}s in all-reduce at step "
+        f"{step}: a synchronous step waits for the slowest worker (worker {args.slow_rank}: "
+        f"{args.work_ms * args.slow_factor:g} ms per batch); raise --timeout or lower "
+        f"--slow-factor") from None
 
 
 def replica_spread(model) -> float:
@@ -359,10 +370,10 @@ def train_async(rank: int, n: int, args, data, ui: UI, sh: dict) -> None:
     stats[rank, START], stats[rank, END] = start, time.time()
 
 
-def wait_at(barrier, rank: int, args, where: str) -> None:
+def wait_at(barrier, rank: int, args, where: str, extra: float = 0.0) -> None:
     """A multiprocessing barrier with the lesson's timeout, and an error that says so."""
     try:
-        barrier.wait(timeout=args.timeout)
+        barrier.wait(timeout=args.timeout + extra)
     except threading.BrokenBarrierError:
         raise RuntimeError(f"worker {rank} waited more than --timeout {args.timeout:g}s at "
                            f"{where} for the other workers") from None

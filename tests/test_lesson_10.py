@@ -174,10 +174,24 @@ def test_a_rank_that_skips_the_ring_ends_the_job_within_the_timeout(tmp_path):
 
 @pytest.mark.parametrize("flags, expect", [
     (["--world-size", "1"], "--world-size 2"),
+    (["--world-size", "20"], "--world-size"),
     (["--skip-rank", "4"], "--skip-rank 4"),
+    (["--sizes", "0"], "--sizes"),
     (["--sizes", "1e6"], "--sizes"),
+    (["--repeats", "0"], "--repeats"),
     (["--device", "cuda"], "--device"),
 ])
-def test_bad_flags_are_one_clear_line(flags, expect):
-    line = one_error_line(run_lesson("10", *flags, check=False, timeout=60))
-    assert line.startswith("error:") and expect in line, line
+def test_bad_flags_are_one_clear_line(flags, expect, monkeypatch, capsys):
+    """In-process (parse_args only), so that each case does not pay for importing torch."""
+    lesson = load_lesson()
+    monkeypatch.setattr(sys, "argv", ["10_allreduce_algorithms.py", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        lesson.parse_args()
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], lines
+
+
+def test_a_bad_flag_from_the_command_line():
+    line = one_error_line(run_lesson("10", "--world-size", "1", check=False, timeout=60))
+    assert line.startswith("error:") and "--world-size 2" in line, line

@@ -1,6 +1,6 @@
 """Lesson 11: with one slow worker, asynchronous training gets through the samples faster,
 pays with stale gradients, and both still learn; synchronous training stays lesson 01."""
-import json
+import importlib.util
 import os
 import re
 import subprocess
@@ -97,13 +97,34 @@ def test_a_straggler_slower_than_the_timeout_ends_a_sync_job(tmp_path):
     assert not (tmp_path / "metrics.json").exists()
 
 
+def load_lesson():
+    spec = importlib.util.spec_from_file_location("lesson11", lesson_path("11"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("flags, expect", [
     (["--world-size", "1"], "--world-size 2"),
     (["--world-size", "5"], "one of 2, 3, 4, 6, 8"),
     (["--slow-rank", "4"], "--slow-rank 4"),
     (["--slow-factor", "0.5"], "--slow-factor"),
+    (["--slow-factor", "x"], "--slow-factor"),
+    (["--work-ms", "0"], "--work-ms"),
+    (["--mode", "fast"], "--mode"),
     (["--device", "cuda"], "--device"),
 ])
-def test_bad_flags_are_one_clear_line(flags, expect):
-    line = one_error_line(run_lesson("11", *flags, check=False, timeout=60))
-    assert line.startswith("error:") and expect in line, line
+def test_bad_flags_are_one_clear_line(flags, expect, monkeypatch, capsys):
+    """In-process (parse_args only), so that each case does not pay for importing torch."""
+    lesson = load_lesson()
+    monkeypatch.setattr(sys, "argv", ["11_sync_vs_async.py", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        lesson.parse_args()
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], lines
+
+
+def test_a_bad_flag_from_the_command_line():
+    line = one_error_line(run_lesson("11", "--slow-rank", "7", check=False, timeout=60))
+    assert line.startswith("error:") and "--slow-rank 7" in line, line
