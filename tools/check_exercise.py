@@ -81,10 +81,10 @@ def check_06(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# Running a learner's code on several ranks. Each rank is a fresh process (the "spawn"
-# start method, as mp.spawn uses) that joins a gloo group on a free port, with a timeout on
-# the group and on the whole run; it sends back what the rank function returns, or why it
-# failed. A rank that fails makes the others stop at once: they may be waiting for it.
+# Running a learner's code on several ranks. Each rank is a fresh process that joins a
+# gloo group on a free port, with a timeout on the group and on the whole run; it sends
+# back what the rank function returns, or why it failed. A rank that fails makes the
+# others stop at once: they may be waiting for it.
 # ---------------------------------------------------------------------------------------
 
 GROUP_TIMEOUT_S = 20   # every collective and point-to-point message gives up after this
@@ -127,7 +127,12 @@ def _rank_main(rank: int, world: int, port: int, target, args: tuple, learner: s
     except BaseException as exc:  # noqa: BLE001 - the learner's error, in one line
         text = " ".join(str(exc).split())
         text = text if len(text) < 300 else text[:300] + " ..."
-        report("error", f"raised {type(exc).__name__}: {text}{_where(exc, learner)}")
+        if "Timed out" in text:  # gloo: "Timed out waiting 20000ms for recv operation ..."
+            report("error", f"waited {GROUP_TIMEOUT_S}s for a message that never came"
+                            f"{_where(exc, learner)}: do all ranks make the same calls, and "
+                            f"does every receive have a matching send?")
+        else:
+            report("error", f"raised {type(exc).__name__}: {text}{_where(exc, learner)}")
         os._exit(1)
     buffer = io.BytesIO()
     torch.save(value, buffer)  # tensors, numbers, strings, lists, dicts: weights_only-safe
@@ -151,7 +156,13 @@ def run_world(world: int, target, args: tuple, learner: Path) -> list:
 
     from common.distributed import free_port
 
-    ctx = multiprocessing.get_context("spawn")
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        # A server process imports torch once; every rank is then forked from it, fresh and
+        # single-threaded, without importing torch again (the slow part of starting a rank).
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "common.recipe"])
+    else:
+        ctx = multiprocessing.get_context("spawn")  # as mp.spawn does
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, daemon=True,
@@ -479,12 +490,106 @@ def check_09(path: Path) -> str:
             f"stripping; plain keys stay as they are, and compile's prefix works too")
 
 
+# ---------------------------------------------------------------------------------------
+# Lesson 10: a ring all-reduce
+# ---------------------------------------------------------------------------------------
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce", "broadcast", "all_to_all",
+               "all_to_all_single", "gather", "scatter")
+
+
+def _rank_10(rank: int, world: int, path: str) -> list:
+    """The learner's ring on tensors of several sizes, each compared with dist.all_reduce;
+    every point-to-point send is counted (elements and destination) on the way."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    all_reduce = dist.all_reduce
+    sent = {"elements": 0, "to": set()}
+
+    def counted(send):
+        def wrapper(tensor, *args, **kwargs):
+            peer = kwargs.get("dst", args[0] if args else None)
+            sent["to"].add(kwargs.get("group_dst") if peer is None else peer)
+            sent["elements"] += tensor.numel()
+            return send(tensor, *args, **kwargs)
+        return wrapper
+
+    def forbidden(name):
+        def refuse(*args, **kwargs):
+            raise NotYet(f"ring_all_reduce called dist.{name}: build it from point-to-point "
+                         f"messages (dist.isend / dist.irecv) only, as the lesson does")
+        return refuse
+
+    # before the learner's file is loaded, so `from torch.distributed import isend` counts too
+    for name in ("isend", "send"):
+        wrapped = counted(getattr(dist, name))
+        setattr(dist, name, wrapped)
+        setattr(c10d, name, wrapped)  # batch_isend_irecv's P2POp checks against these
+    for name in COLLECTIVES:
+        setattr(dist, name, forbidden(name))
+    module = load(Path(path))
+    sizes = sorted({1, world - 1, world, world + 1, 10, 1001} - {0})
+    out = []
+    for size in sizes:
+        g = torch.Generator().manual_seed(1000 * size + rank)  # every rank its own numbers
+        x = torch.randn(size, generator=g)
+        expected = x.clone()
+        all_reduce(expected)
+        got = x.clone()
+        before = sent["elements"]
+        module.ring_all_reduce(got)
+        wrong = ~torch.isclose(got, expected, rtol=1.3e-6, atol=1e-5)  # assert_close's float32
+        try:
+            torch.testing.assert_close(got, expected)
+            ok = True
+        except AssertionError:
+            ok = False
+        out.append({"size": size, "ok": ok, "sent": sent["elements"] - before,
+                    "max_diff": (got - expected).abs().max().item(),
+                    "first_wrong": int(wrong.nonzero()[0, 0]) if wrong.any() else -1})
+    return [out, sorted(int(t) for t in sent["to"] if t is not None)]
+
+
+def check_10(path: Path) -> str:
+    """The ring matches dist.all_reduce for 2, 3 and 4 ranks and sizes N does not divide."""
+    load(path)
+    for world in (2, 3, 4):
+        ranks = run_world(world, _rank_10, (str(path), ), path)
+        for rank, (results, peers) in enumerate(ranks):
+            for r in results:
+                if not r["ok"]:
+                    before = "; with 2 ranks every size was right" if world > 2 else ""
+                    raise NotYet(f"with {world} ranks and a tensor of {r['size']} floats, rank "
+                                 f"{rank}'s result differs from dist.all_reduce's (from element "
+                                 f"{r['first_wrong']} on; max |difference| {r['max_diff']:.3g})"
+                                 f"{before}. At step k of each phase, which chunk does rank r "
+                                 f"send, and which one arrives? (lesson 10, Step 3 draws it)")
+        for rank, (results, peers) in enumerate(ranks):
+            neighbours = {(rank + 1) % world, (rank - 1) % world}
+            if len(peers) > 1 or not set(peers) <= neighbours:
+                raise NotYet(f"with {world} ranks, rank {rank} sent to ranks {peers}: in a ring "
+                             f"every rank sends to one neighbour only")
+            for r in results:
+                most = 2 * (r["size"] - r["size"] // world)
+                if r["sent"] > most:
+                    raise NotYet(f"with {world} ranks and a tensor of {r['size']} floats, rank "
+                                 f"{rank} sent {r['sent']} floats: the right sums, but a ring "
+                                 f"sends at most 2(N-1)/N of the tensor ({most} here). Does "
+                                 f"something send more than one chunk per step?")
+    return ("the ring matches dist.all_reduce on 2, 3 and 4 ranks for every size tried, and "
+            "each rank sends at most 2(N-1)/N of the tensor, to one neighbour")
+
+
 CHECKS = {
     "05": ("exercises/05_set_epoch.py", check_05),
     "06": ("exercises/06_who_am_i.py", check_06),
     "07": ("exercises/07_resume_mid_epoch.py", check_07),
     "08": ("exercises/08_accumulate.py", check_08),
     "09": ("exercises/09_strip_prefix.py", check_09),
+    "10": ("exercises/10_ring_all_reduce.py", check_10),
 }
 
 
