@@ -324,7 +324,7 @@ def _rank_08(rank: int, world: int, path: str, accums: tuple, steps: int) -> lis
     return runs
 
 
-def _reference_08(steps: int) -> dict:
+def _reference_steps(steps: int) -> dict:
     """One process, no accumulation: one optimizer step per global batch of 96."""
     import torch
     import torch.nn.functional as F
@@ -353,7 +353,7 @@ def check_08(path: Path) -> str:
     """One all-reduce per optimizer step, and the weights of training without accumulation."""
     load(path)  # a file that does not even import fails here, before any rank starts
     world, steps, accums = 2, 6, (4, 2)
-    reference = _reference_08(steps)
+    reference = _reference_steps(steps)
     ranks = run_world(world, _rank_08, (str(path), accums, steps), path)
     for i, accum in enumerate(accums):
         runs = [r[i] for r in ranks]
@@ -583,6 +583,67 @@ def check_10(path: Path) -> str:
             "each rank sends at most 2(N-1)/N of the tensor, to one neighbour")
 
 
+# ---------------------------------------------------------------------------------------
+# Lesson 11: a synchronous step
+# ---------------------------------------------------------------------------------------
+
+def _rank_11(rank: int, world: int, path: str, steps: int, slow_rank: int, delay: float) -> dict:
+    """Train on this rank's share of each global batch and let the learner's step combine
+    them; the slow rank sleeps before every step, and each rank times its step."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from common import recipe
+
+    module = load(Path(path))
+    x_all, y_all = recipe.synthetic_data()[0].tensors
+    order = torch.tensor(recipe.epoch_order(len(y_all), SEED, 0))
+    model = recipe.make_model(SEED)  # same seed on every rank: the same start
+    optimizer = recipe.make_optimizer(model)
+    waited = 0.0
+    for k in range(steps):
+        idx = order[k * recipe.GLOBAL_BATCH + rank:(k + 1) * recipe.GLOBAL_BATCH:world]
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
+        if rank == slow_rank:
+            time.sleep(delay)  # a slower device, or a bigger share of the work
+        start = time.perf_counter()
+        module.synchronous_step(model, optimizer)
+        waited += time.perf_counter() - start
+    return {"weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "seconds_in_step": waited}
+
+
+def check_11(path: Path) -> str:
+    """Every worker takes the global batch's step: copies identical, equal to one process."""
+    load(path)
+    world, steps, slow, delay = 3, 6, 2, 0.1
+    reference = _reference_steps(steps)
+    ranks = run_world(world, _rank_11, (str(path), steps, slow, delay), path)
+    setup = f"{world} workers, {steps} steps of 96 samples ({96 // world} per worker)"
+    spread = max(_max_diff(r["weights"], ranks[0]["weights"]) for r in ranks)
+    if spread > 1e-6:
+        raise NotYet(f"{setup}: the copies of the model differ by up to {spread:.1e} at the end: "
+                     f"each worker stepped with a gradient of its own. What must every worker "
+                     f"have in .grad before optimizer.step()? (lesson 11, Step 2)")
+    diff = _max_diff(ranks[0]["weights"], reference)
+    if diff > 1e-5:
+        raise NotYet(f"{setup}: the copies agree, but they are {diff:.1e} away from one process "
+                     f"training on each global batch of 96 (allowed: 1e-5). Is the gradient "
+                     f"they step with the mean over all 96 samples? (lesson 11, Step 2)")
+    fast = [r for rank, r in enumerate(ranks) if rank != slow]
+    least = min(r["seconds_in_step"] for r in fast)
+    if least < 0.5 * steps * delay:
+        raise NotYet(f"{setup}: the right weights, yet a fast worker spent only {least:.2f}s in "
+                     f"synchronous_step while worker {slow} was {steps * delay:.1f}s late in "
+                     f"all: where did its gradient come from?")
+    return (f"{world} workers stay identical and equal to one process (max diff {diff:.1e}); "
+            f"the fast ones spent {least:.2f}s or more in the step, waiting for worker {slow} "
+            f"({steps * delay:.1f}s late in all), as a synchronous step must")
+
+
 CHECKS = {
     "05": ("exercises/05_set_epoch.py", check_05),
     "06": ("exercises/06_who_am_i.py", check_06),
@@ -590,6 +651,7 @@ CHECKS = {
     "08": ("exercises/08_accumulate.py", check_08),
     "09": ("exercises/09_strip_prefix.py", check_09),
     "10": ("exercises/10_ring_all_reduce.py", check_10),
+    "11": ("exercises/11_sync_step.py", check_11),
 }
 
 
