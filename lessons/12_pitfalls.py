@@ -72,7 +72,8 @@ def parse_args():
     parser = lesson_parser(__doc__, recipe=False, distributed=True, world_size=2)
     parser.set_defaults(timeout=10.0)  # short, so that the hang demos end in seconds
     parser.add_argument("--break", dest="brk", choices=list(BREAKS), default=None,
-                        help="run one pitfall in its broken form (see the list in --help's doc)")
+                        help="run one pitfall in its broken form; each name is explained at the top of "
+                             "this file and in docs/12_pitfalls.md")
     parser.add_argument("--debug-detail", action="store_true",
                         help="set TORCH_DISTRIBUTED_DEBUG=DETAIL for the ranks (checks every "
                              "collective's type and shapes across ranks before running it)")
@@ -251,13 +252,13 @@ def pitfall_augmentation_seed(ui, rank, world_size, args, data, store, evidence)
     dist.all_gather(noises, noise)
     label = "broken: torch.manual_seed(seed) on every rank" if broken else \
         "fixed: torch.Generator().manual_seed(seed * 1000 + rank)"
-    ui.print(f"{label}; first noise vector of each rank:")
+    ui.print(f"{label}; x + 0.1 * noise on each rank's {tuple(augmented.shape)} batch; "
+             f"its first noise vector:")
     for r, n in enumerate(noises):
         ui.print(f"  rank {r}: {fmt(n[0, :4])} ...")
     distinct = torch.unique(torch.cat(noises), dim=0).shape[0]
     ui.print(f"distinct noise vectors in the global batch of {recipe.GLOBAL_BATCH}: {distinct}"
              f"{'  <- every rank drew the same ones' if distinct == per_rank else ''}")
-    assert augmented.shape == x.shape
     evidence["same_seed"] = {"distinct_noise_vectors": distinct, "global_batch": recipe.GLOBAL_BATCH}
 
 
