@@ -644,6 +644,83 @@ def check_11(path: Path) -> str:
             f"({steps * delay:.1f}s late in all), as a synchronous step must")
 
 
+# ---------------------------------------------------------------------------------------
+# Lesson 12: distributed evaluation
+# ---------------------------------------------------------------------------------------
+
+N_VAL = 101  # validation samples: neither 2 nor 3 ranks can split them evenly
+
+
+def _rank_12(rank: int, world: int, path: str, weights: dict) -> dict:
+    """The learner's evaluation on this rank; a hook on the model counts which validation
+    samples this rank actually ran through it."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from common import recipe
+
+    module = load(Path(path))
+    model = recipe.make_model(SEED)
+    model.load_state_dict(weights)
+    model.eval()
+    x, y = (t[:N_VAL] for t in recipe.synthetic_data()[1].tensors)
+    row_of = {x[i].numpy().tobytes(): i for i in range(N_VAL)}  # every row is different
+    seen = torch.zeros(N_VAL, dtype=torch.int64)
+
+    def count(_module, inputs):
+        for row in inputs[0].detach().reshape(len(inputs[0]), -1):
+            i = row_of.get(row.contiguous().numpy().tobytes())
+            if i is not None:
+                seen[i] += 1
+    model.register_forward_pre_hook(count)
+    accuracy = module.distributed_accuracy(model, TensorDataset(x, y))
+    return {"accuracy": float(accuracy), "seen": seen}
+
+
+def check_12(path: Path) -> str:
+    """Distributed accuracy equals one process's, with each sample evaluated on one rank."""
+    import torch
+
+    from common import recipe
+
+    load(path)
+    weights = _reference_steps(4)  # a model part-way through training: neither 0% nor 100%
+    model = recipe.make_model(SEED)
+    model.load_state_dict(weights)
+    x, y = (t[:N_VAL] for t in recipe.synthetic_data()[1].tensors)
+    with torch.no_grad():
+        right = int((model(x).argmax(1) == y).sum())
+    truth = right / N_VAL
+    for world in (2, 3):
+        ranks = run_world(world, _rank_12, (str(path), weights), path)
+        got = [r["accuracy"] for r in ranks]
+        setup = f"{N_VAL} samples on {world} ranks"
+        if max(got) - min(got) > 1e-12:
+            raise NotYet(f"{setup}: the ranks returned different accuracies {got}; every rank "
+                         f"should return the accuracy on the whole set")
+        seen = torch.stack([r["seen"] for r in ranks])
+        total = seen.sum(0)
+        if abs(got[0] - truth) > 1e-6:
+            twice = (total > 1).nonzero().flatten().tolist()
+            never = (total == 0).nonzero().flatten().tolist()
+            evidence = f"the ranks ran {int(total.sum())} predictions for {N_VAL} samples"
+            if twice:
+                evidence += f"; sample(s) {_listed(twice)} more than once"
+            if never:
+                evidence += f"; sample(s) {_listed(never)} never"
+            raise NotYet(f"{setup}: every rank returned {got[0]:.4%}, one process measures "
+                         f"{truth:.4%} ({right}/{N_VAL}); {evidence}. Which predictions should "
+                         f"count, and how do per-rank numbers add up to one accuracy? "
+                         f"(lesson 12, Step 8)")
+        busiest = int(seen.sum(1).max())
+        if busiest > -(-N_VAL // world) or (total == 0).any():
+            raise NotYet(f"{setup}: the right accuracy, but one rank evaluated {busiest} of the "
+                         f"{N_VAL} samples: split the work, so that each rank evaluates about "
+                         f"1/{world} of them")
+    return (f"{N_VAL} samples on 2 and on 3 ranks: every rank returns {truth:.4%}, exactly the "
+            f"single-process accuracy, each rank evaluating its own share")
+
+
 CHECKS = {
     "05": ("exercises/05_set_epoch.py", check_05),
     "06": ("exercises/06_who_am_i.py", check_06),
@@ -652,6 +729,7 @@ CHECKS = {
     "09": ("exercises/09_strip_prefix.py", check_09),
     "10": ("exercises/10_ring_all_reduce.py", check_10),
     "11": ("exercises/11_sync_step.py", check_11),
+    "12": ("exercises/12_eval_accuracy.py", check_12),
 }
 
 
