@@ -22,6 +22,7 @@ def strip_prefix(state_dict: dict, prefix: str) -> dict:
 
 
 if __name__ == "__main__":
-    keys = {"module.stem.submodule.weight": 0, "module.block.module.bias": 1, "module.head.weight": 2}
+    keys = {"module.stem.submodule.weight": 0, "module.block.module.bias": 1,
+            "module.head.weight": 2}
     for old, new in zip(keys, strip_prefix(keys, "module.")):
         print(f"{old:32} -> {new}")

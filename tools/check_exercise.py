@@ -371,8 +371,8 @@ def check_08(path: Path) -> str:
         if r0["syncs"] != steps:
             raise NotYet(f"{setup}: DDP all-reduced the gradients {r0['syncs']} times "
                          f"({r0['calls']} bucket calls) for {steps} optimizer steps; it should be "
-                         f"once per step. Which backward passes should sync, and where does DDP decide "
-                         f"that? (lesson 08, Steps 6 and 8)")
+                         f"once per step. Which backward passes should sync, and where does "
+                         f"DDP decide that? (lesson 08, Steps 6 and 8)")
         diff = _max_diff(r0["weights"], reference)
         if diff > 1e-5:
             raise NotYet(f"{setup}: one all-reduce per step, but the weights are {diff:.1e} away "
@@ -430,7 +430,8 @@ def _rank_09(rank: int, world: int, path: str) -> dict:
         raise NotYet("strip_prefix returned None; return the new state_dict")
     torch.manual_seed(1)
     plain = TinyNet()  # other initial weights: loading must overwrite every one of them
-    result = {"saved": list(saved), "stripped": [str(k) for k in stripped]}
+    result = {"saved": list(saved), "stripped": [str(k) for k in stripped],
+              "wanted": list(plain.state_dict())}
     try:
         plain.load_state_dict(stripped, strict=True)
         result["error"] = ""
@@ -448,11 +449,16 @@ def check_09(path: Path) -> str:
 
     module = load(path)
     [ddp] = run_world(1, _rank_09, (str(path),), path)
-    pairs = _listed((f"{a} -> {b}" for a, b in zip(ddp["saved"], ddp["stripped"])), 3)
     if ddp["error"]:
-        raise NotYet(f"DDP(TinyNet()).state_dict(), stripped of 'module.', does not load into a "
-                     f"plain TinyNet: {ddp['error'][:400]}. Your keys: {pairs}. Which part of "
-                     f"each key belongs to the wrapper? (lesson 09, Step 5)")
+        wrong = [f"{a} -> {b}" for a, b in zip(ddp["saved"], ddp["stripped"])
+                 if b not in ddp["wanted"]]
+        missing = [k for k in ddp["wanted"] if k not in ddp["stripped"]]
+        raise NotYet(f"DDP(TinyNet()).state_dict(), stripped of 'module.', does not load strictly "
+                     f"into a plain TinyNet: your function turned {_listed(wrong, 2)}, and the "
+                     f"model misses {_listed(missing, 4)}. Which part of each key belongs to "
+                     f"the wrapper? (lesson 09, Step 5)" if wrong or missing else
+                     f"DDP(TinyNet()).state_dict(), stripped of 'module.', does not load into a "
+                     f"plain TinyNet: {ddp['error'][:300]}")
     if ddp["max_diff"] != 0:
         raise NotYet(f"the stripped state_dict loads, but the weights differ from the saved "
                      f"model's by {ddp['max_diff']:.1e}: keep every tensor with its own key")
