@@ -42,3 +42,13 @@ def test_readme_gives_the_two_commands_and_every_lesson():
     assert "make lesson-01" in readme and "make test" in readme
     for lesson in LESSONS:
         assert f"lessons/{lesson.name}" in readme or f"| {lesson.name[:2]} " in readme
+
+
+def test_every_glossary_term_is_linked_from_the_lesson_that_introduces_it():
+    glossary = (ROOT / "docs" / "GLOSSARY.md").read_text()
+    rows = re.findall(r'^\| <a id="([\w-]+)"></a>\*\*.+?\*\* \| .*\| \[(\d\d)\]\((\S+?)\)', glossary, re.M)
+    assert len(rows) >= 30
+    for anchor, lesson, target in rows:
+        doc = ROOT / "docs" / target
+        assert doc.name.startswith(lesson) and doc.exists(), target
+        assert f"GLOSSARY.md#{anchor}" in doc.read_text(), f"{doc.name} does not link the term #{anchor}"
