@@ -24,9 +24,8 @@ def terms_by_lesson() -> dict[str, list[tuple[str, str]]]:
 
 def insert(doc: Path, line: str, mark: str) -> None:
     text = doc.read_text()
-    lines = text.splitlines(keepends=True)
-    lines = [l for l in lines if not l.startswith(mark)]  # replace an older line
-    text = "".join(lines).replace("\n\n\n", "\n\n")
+    # replace an older line (and the blank line after it); touch nothing else
+    text = re.sub(rf"^{re.escape(mark)}.*\n\n", "", text, flags=re.M)
     # before the first level-2 heading: right after the introduction
     at = text.index("\n## ") + 1
     doc.write_text(text[:at] + line + "\n\n" + text[at:])
