@@ -625,7 +625,7 @@ def _rank_11(rank: int, world: int, path: str, steps: int, slow_rank: int, delay
 def check_11(path: Path) -> str:
     """Every worker takes the global batch's step: copies identical, equal to one process."""
     load(path)
-    world, steps, slow, delay = 3, 6, 2, 0.1
+    world, steps, slow, delay = 3, 6, 2, 0.15
     reference = _reference_steps(steps)
     ranks = run_world(world, _rank_11, (str(path), steps, slow, delay), path)
     setup = f"{world} workers, {steps} steps of 96 samples ({96 // world} per worker)"
@@ -641,7 +641,7 @@ def check_11(path: Path) -> str:
                      f"they step with the mean over all 96 samples? (lesson 11, Step 2)")
     fast = [r for rank, r in enumerate(ranks) if rank != slow]
     least = min(r["seconds_in_step"] for r in fast)
-    if least < 0.5 * steps * delay:
+    if least < 0.25 * steps * delay:  # lenient: busy shared cores delay the fast ones too
         raise NotYet(f"{setup}: the right weights, yet a fast worker spent only {least:.2f}s in "
                      f"synchronous_step while worker {slow} was {steps * delay:.1f}s late in "
                      f"all: where did its gradient come from?")
