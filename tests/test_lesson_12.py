@@ -47,7 +47,9 @@ def broken(tmp_path_factory):
         try:
             proc = run_lesson("12", *flags, "--out", out, check=False, timeout=2 * BOUND_S)
         except subprocess.TimeoutExpired as exc:  # reported by the test, not as a crash here
-            proc = subprocess.CompletedProcess(exc.cmd, None, exc.stdout or "", exc.stderr or "")
+            text = [t.decode(errors="replace") if isinstance(t, bytes) else (t or "")
+                    for t in (exc.stdout, exc.stderr)]  # run() may hand back bytes here
+            proc = subprocess.CompletedProcess(exc.cmd, None, *text)
         return name, (proc, time.monotonic() - start, out)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
