@@ -13,7 +13,6 @@ Make targets use it: `make lesson-06` (static rendezvous, two nodes) and `make l
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
@@ -112,7 +111,7 @@ def pump(node: int, stream, log_path: Path, seen: dict, hide_info: bool = False)
             text = RANK_PREFIX.sub("", GLOG.sub("", line))
             # torchrun's failure summary (the "Root Cause" box, filled in thanks to @record)
             if text.startswith("Root Cause"):
-                root = seen.setdefault("roots", {})[node] = {}
+                seen.setdefault("roots", {})[node] = {}
             m = re.match(r"^\s+rank\s+:\s+(\d+)", text)
             if m and node in seen.get("roots", {}):
                 seen["roots"][node]["rank"] = int(m[1])

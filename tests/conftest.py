@@ -22,6 +22,29 @@ def lesson_path(number: str) -> Path:
     return matches[0]
 
 
+def import_lesson(number: str):
+    """A lesson file as a module (its name starts with digits, so `import` cannot load it).
+    Its main() does not run: every lesson guards it with `if __name__ == "__main__"`."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"lesson_{number}", lesson_path(number))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_error(module, flags: list[str], monkeypatch, capsys) -> str:
+    """Run a lesson's parse_args() in-process on bad flags; return its single error line.
+
+    In-process, so that each case does not pay for starting Python and importing torch."""
+    monkeypatch.setattr(sys, "argv", [Path(module.__file__).name, *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args()
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    return lines[0]
+
+
 def run(cmd: list[str], timeout: float = 120, env: dict | None = None,
         check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """Run a command from the repository root; fail the test (not hang) after `timeout` s."""

@@ -3,8 +3,6 @@ import pickle
 import struct
 
 import numpy as np
-import pytest
-import torch
 
 from common import recipe
 from conftest import run_lesson, load_run, one_error_line

@@ -1,11 +1,10 @@
 """Lesson 01: run it as a learner would and check what it claims."""
 import re
-import sys
 
 import torch
 
 from common import recipe
-from conftest import load_run, max_abs_diff, one_error_line, run, run_lesson
+from conftest import load_run, max_abs_diff, one_error_line, run_lesson
 
 
 def test_default_run_learns_and_writes_results(tmp_path, reference_3_epochs):

@@ -1,5 +1,4 @@
 """Lesson 02: the trace of Module._apply, and what a conversion does to Python objects."""
-import importlib.util
 import json
 import re
 
@@ -7,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import lesson_path, one_error_line, run_lesson
+from conftest import import_lesson, one_error_line, run_lesson
 
 # The order PyTorch's Module._apply visits the lesson's Net in: children first (depth
 # first, in registration order), then each module's own parameters, each followed by its
@@ -23,10 +22,7 @@ EXPECTED_TENSORS = [
 
 
 def load_lesson():
-    spec = importlib.util.spec_from_file_location("lesson_02", lesson_path("02"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_lesson("02")
 
 
 @pytest.fixture(scope="module")

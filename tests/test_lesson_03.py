@@ -1,5 +1,4 @@
 """Lesson 03: DataParallel's stages (real or simulated) train lesson 01's weights."""
-import importlib.util
 import re
 
 import pytest
@@ -7,16 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from common import recipe
-from conftest import lesson_path, load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import import_lesson, load_run, max_abs_diff, one_error_line, run_lesson
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
 def load_lesson():
-    spec = importlib.util.spec_from_file_location("lesson_03", lesson_path("03"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_lesson("03")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Lesson 04: the split model computes and trains exactly like the whole one, and the
 pipeline schedule's idle fractions are what the arithmetic says."""
-import importlib.util
 import re
 
 import pytest
@@ -8,16 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from common import recipe
-from conftest import lesson_path, load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import import_lesson, load_run, max_abs_diff, one_error_line, run_lesson
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
 def load_lesson():
-    spec = importlib.util.spec_from_file_location("lesson_04", lesson_path("04"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_lesson("04")
 
 
 @pytest.fixture(scope="module")

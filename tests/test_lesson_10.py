@@ -1,7 +1,6 @@
 """Lesson 10: the hand-written all-reduces equal dist.all_reduce, and move exactly the bytes
 the formulas say; the lesson's table and its broken mode do what the doc claims."""
 import datetime
-import importlib.util
 import json
 import os
 import re
@@ -15,17 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import ROOT, lesson_path, one_error_line, run_lesson
+from conftest import import_lesson, parse_error, ROOT, lesson_path, one_error_line, run_lesson
 
 SIZES = [1, 2, 3, 4, 5, 7, 12, 1000, 1001, 4099]  # several not divisible by 2, 3 or 4; some < N
 
 
 def load_lesson():
-    """The lesson file as a module (its name starts with a digit, so no plain import)."""
-    spec = importlib.util.spec_from_file_location("lesson10", lesson_path("10"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_lesson("10")
 
 
 def expected_ring_bytes(size: int, n: int, rank: int) -> tuple[int, int]:
@@ -182,14 +177,8 @@ def test_a_rank_that_skips_the_ring_ends_the_job_within_the_timeout(tmp_path):
     (["--device", "cuda"], "--device"),
 ])
 def test_bad_flags_are_one_clear_line(flags, expect, monkeypatch, capsys):
-    """In-process (parse_args only), so that each case does not pay for importing torch."""
-    lesson = load_lesson()
-    monkeypatch.setattr(sys, "argv", ["10_allreduce_algorithms.py", *flags])
-    with pytest.raises(SystemExit) as exit_info:
-        lesson.parse_args()
-    assert exit_info.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], lines
+    line = parse_error(load_lesson(), flags, monkeypatch, capsys)
+    assert expect in line, line
 
 
 def test_a_bad_flag_from_the_command_line():

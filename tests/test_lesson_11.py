@@ -1,6 +1,5 @@
 """Lesson 11: with one slow worker, asynchronous training gets through the samples faster,
 pays with stale gradients, and both still learn; synchronous training stays lesson 01."""
-import importlib.util
 import os
 import re
 import subprocess
@@ -11,7 +10,7 @@ import time
 import pytest
 
 from common import recipe
-from conftest import ROOT, lesson_path, load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import import_lesson, parse_error, ROOT, lesson_path, load_run, max_abs_diff, one_error_line, run_lesson
 
 
 def test_race_with_a_slow_worker(tmp_path, reference_3_epochs):
@@ -98,10 +97,7 @@ def test_a_straggler_slower_than_the_timeout_ends_a_sync_job(tmp_path):
 
 
 def load_lesson():
-    spec = importlib.util.spec_from_file_location("lesson11", lesson_path("11"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_lesson("11")
 
 
 @pytest.mark.parametrize("flags, expect", [
@@ -115,14 +111,8 @@ def load_lesson():
     (["--device", "cuda"], "--device"),
 ])
 def test_bad_flags_are_one_clear_line(flags, expect, monkeypatch, capsys):
-    """In-process (parse_args only), so that each case does not pay for importing torch."""
-    lesson = load_lesson()
-    monkeypatch.setattr(sys, "argv", ["11_sync_vs_async.py", *flags])
-    with pytest.raises(SystemExit) as exit_info:
-        lesson.parse_args()
-    assert exit_info.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], lines
+    line = parse_error(load_lesson(), flags, monkeypatch, capsys)
+    assert expect in line, line
 
 
 def test_a_bad_flag_from_the_command_line():

@@ -82,7 +82,6 @@ def test_free_port_is_on_loopback_and_free():
 
 
 def test_busy_port_is_one_clear_line():
-    from common.distributed import ensure_port_free
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
