@@ -28,20 +28,21 @@ help:
 	@echo "Lessons (make lesson-NN [ARGS=\"--flag value\"] [STEP=1]):"
 	@for f in $(LESSON_FILES); do \
 		n=$$(basename $$f | cut -c1-2); \
-		t=$$(sed -n '1s/^"""Lesson [0-9]*: //p' $$f); \
+		t=$$(sed -n '1s/^"""Lesson [0-9]*: //p' $$f | sed 's/\.$$//'); \
 		printf "  make lesson-%s   %s\n" "$$n" "$$t"; \
 	done
 	@echo
 	@echo "Other targets:"
-	@echo "  make lessons     run every lesson in order, with its defaults"
-	@echo "  make check-NN   check your answer to lesson NN's exercise (make checks lists them)"
-	@echo "  make diff FROM=04 TO=05  what changed between two lessons' code"
-	@echo "  make test       run the test suite (pytest, CPU only, a few minutes)"
-	@echo "  make bench      measured speedups and costs (a few minutes; docs/PERFORMANCE.md)"
-	@echo "  make docs-output  rerun the commands whose output the docs show (DOCS=docs/01_*.md)"
-	@echo "  make venv       create .venv and install requirements.txt (done automatically)"
-	@echo "  make clean      delete runs/ and caches (keeps .venv)"
-	@echo "  make distclean  clean, and delete .venv too"
+	@printf "  %-26s %s\n" \
+		"make lessons" "run every lesson in order, with its defaults" \
+		"make check-NN [FILE=path]" "check an answer to lesson NN's exercise (make checks lists them)" \
+		"make diff FROM=04 TO=05" "what changed between two lessons' code" \
+		"make test" "run the test suite (pytest, CPU only, a few minutes)" \
+		"make bench" "measured speedups and costs (about a minute; docs/PERFORMANCE.md)" \
+		"make docs-output" "rerun the commands whose output the docs show (DOCS=docs/01_*.md)" \
+		"make venv" "create .venv and install requirements.txt (done automatically)" \
+		"make clean" "delete runs/ and caches (keeps .venv)" \
+		"make distclean" "clean, and delete .venv too"
 
 # The virtual environment: created on first use, re-installed when requirements.txt changes.
 $(STAMP): requirements.txt
