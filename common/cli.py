@@ -20,6 +20,17 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default, except where it says nothing (None, False) or the help
+    text already explains it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
+
+
 class LessonParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # called by argparse on a bad flag
         fail(f"{message} (run with --help to see every flag)")
@@ -77,7 +88,7 @@ def lesson_parser(doc: str | None, *, recipe: bool = True, distributed: bool = F
 
     first_line = (doc or "").strip().splitlines()[0] if doc else None
     parser = LessonParser(description=first_line,
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=HelpFormatter)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to compute: auto picks cuda when available, else cpu")
     parser.add_argument("--out", type=Path, default=None,

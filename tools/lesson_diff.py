@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import difflib
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 from rich.syntax import Syntax  # noqa: E402
 
-from common.cli import LessonParser, fail, nonnegative_int  # noqa: E402
+from common.cli import HelpFormatter, LessonParser, fail, nonnegative_int  # noqa: E402
 
 
 def lesson_file(number: str) -> Path:
@@ -30,7 +29,7 @@ def lesson_file(number: str) -> Path:
 
 def main(argv: list[str]) -> None:
     parser = LessonParser(prog="make diff FROM=NN TO=NN", description=__doc__.splitlines()[0],
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=HelpFormatter)
     parser.add_argument("from_lesson", metavar="FROM", help="the earlier lesson's number, e.g. 04")
     parser.add_argument("to_lesson", metavar="TO", help="the later lesson's number, e.g. 05")
     parser.add_argument("--context", type=nonnegative_int, default=3,
