@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,25 @@ def run(cmd: list[str], timeout: float = 120, env: dict | None = None,
         pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
                     f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
     return proc
+
+
+def run_with_line_times(cmd, timeout):
+    """Popen with a watchdog: returns (returncode, [(seconds, line)], stderr), for tests
+    that bound how soon after an event a failing job ends."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    try:
+        lines = [(time.monotonic() - start, line) for line in proc.stdout]
+        stderr = proc.stderr.read()
+        proc.wait()
+        lines.append((time.monotonic() - start, "<exit>"))
+    finally:
+        watchdog.cancel()
+    return proc.returncode, lines, stderr
 
 
 def run_lesson(number: str, *args, timeout: float = 120, check: bool = True,

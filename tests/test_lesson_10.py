@@ -4,17 +4,14 @@ import datetime
 import json
 import os
 import re
-import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import import_lesson, parse_error, ROOT, lesson_path, one_error_line, run_lesson
+from conftest import import_lesson, parse_error, run_with_line_times, lesson_path, one_error_line, run_lesson
 
 SIZES = [1, 2, 3, 4, 5, 7, 12, 1000, 1001, 4099]  # several not divisible by 2, 3 or 4; some < N
 
@@ -126,24 +123,6 @@ def test_default_world_table_and_bytes(tmp_path):
     assert "NO" not in out.split("Step 2:")[1].split("Step 5:")[0]  # every byte row matches
     assert re.search(r"^AG 3\s+(0123 ){3}0123", out, re.M), "the ring picture ends complete"
     assert "\x1b[" not in out
-
-
-def run_with_line_times(cmd, timeout):
-    """Popen with a watchdog: returns (returncode, [(seconds, line)], stderr)."""
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    watchdog = threading.Timer(timeout, proc.kill)
-    watchdog.start()
-    try:
-        lines = [(time.monotonic() - start, line) for line in proc.stdout]
-        stderr = proc.stderr.read()
-        proc.wait()
-        lines.append((time.monotonic() - start, "<exit>"))
-    finally:
-        watchdog.cancel()
-    return proc.returncode, lines, stderr
 
 
 def test_a_rank_that_skips_the_ring_ends_the_job_within_the_timeout(tmp_path):

@@ -1,16 +1,12 @@
 """Lesson 11: with one slow worker, asynchronous training gets through the samples faster,
 pays with stale gradients, and both still learn; synchronous training stays lesson 01."""
-import os
 import re
-import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
 from common import recipe
-from conftest import import_lesson, parse_error, ROOT, lesson_path, load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import import_lesson, parse_error, run_with_line_times, lesson_path, load_run, max_abs_diff, one_error_line, run_lesson
 
 
 def test_race_with_a_slow_worker(tmp_path, reference_3_epochs):
@@ -55,24 +51,6 @@ def test_race_with_a_slow_worker(tmp_path, reference_3_epochs):
     assert [int(k) for k in re.findall(r"^Step (\d+):", out, re.M)] == [1, 2, 3, 4, 5]
     assert re.search(r"^\[rank \d\] epoch  3 \| update  384/384", out, re.M)
     assert "\x1b[" not in out
-
-
-def run_with_line_times(cmd, timeout):
-    """Popen with a watchdog: returns (returncode, [(seconds, line)], stderr)."""
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    watchdog = threading.Timer(timeout, proc.kill)
-    watchdog.start()
-    try:
-        lines = [(time.monotonic() - start, line) for line in proc.stdout]
-        stderr = proc.stderr.read()
-        proc.wait()
-        lines.append((time.monotonic() - start, "<exit>"))
-    finally:
-        watchdog.cancel()
-    return proc.returncode, lines, stderr
 
 
 def test_a_straggler_slower_than_the_timeout_ends_a_sync_job(tmp_path):
