@@ -37,7 +37,7 @@ help:
 		"make lessons" "run every lesson in order, with its defaults" \
 		"make check-NN [FILE=path]" "check an answer to lesson NN's exercise (make checks lists them)" \
 		"make diff FROM=04 TO=05" "what changed between two lessons' code" \
-		"make test" "run the test suite (pytest, CPU only, a few minutes)" \
+		"make test" "run the test suite (pytest, CPU only, under 10 minutes on 2 cores)" \
 		"make bench" "measured speedups and costs (about a minute; docs/PERFORMANCE.md)" \
 		"make docs-output" "rerun the commands whose output the docs show (DOCS=docs/01_*.md)" \
 		"make venv" "create .venv and install requirements.txt (done automatically)" \
