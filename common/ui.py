@@ -30,6 +30,7 @@ class UI:
         self.console = Console(highlight=False, soft_wrap=True)
         self.step_mode = step_mode
         self._current_step: int | None = None
+        self._unpaused: list[int] = []  # steps done since the last pause
         self._steps = doc_steps(sys.argv[0]) if step_mode else {}
         if step_mode and rank == 0 and step_terminal() is None:
             self.print("[dim]--step: stdin is not a terminal, so the steps will not pause[/dim]")
@@ -54,6 +55,7 @@ class UI:
     def step(self, number: int, title: str) -> None:
         """Heading of `# Step N: title`; with --step, pause after the previous step first."""
         if self._current_step is not None:
+            self._unpaused.append(self._current_step)
             self.pause(next_step=(number, title))
         self._current_step = number
         self.print(f"\n[bold magenta]Step {number}: {title}[/bold magenta]")
@@ -71,7 +73,9 @@ class UI:
         import torch.distributed as dist
 
         together = self.world_size > 1 and dist.is_available() and dist.is_initialized()
-        if not together and not self.is_main:
+        if self.world_size > 1 and not together:
+            # Before the process group exists the other ranks cannot wait for rank 0's
+            # answer (they would time out at the rendezvous): pause at the next step instead.
             return
         answer = "go"
         if self.is_main:
@@ -85,6 +89,7 @@ class UI:
             answer = _broadcast(dist, answer if self.is_main else None)
             while answer == "wait":
                 answer = _broadcast(dist, None)
+        self._unpaused = []
         if answer == "quit":
             self.print("Stopped at your request.")
             sys.stdout.flush()
@@ -94,10 +99,10 @@ class UI:
             os._exit(0)
 
     def _summary(self, next_step: tuple[int, str] | None) -> None:
-        done = self._current_step
-        title, first = self._steps.get(done, ("", ""))
-        self.console.print(f"[dim]  done: Step {done}{': ' + title if title else ''}"
-                           f"{' - ' + escape(first) if first else ''}[/dim]")
+        for done in self._unpaused or [self._current_step]:
+            title, first = self._steps.get(done, ("", ""))
+            self.console.print(f"[dim]  done: Step {done}{': ' + title if title else ''}"
+                               f"{' - ' + escape(first) if first else ''}[/dim]")
         if next_step:
             self.console.print(f"[dim]  next: Step {next_step[0]}: {next_step[1]}[/dim]")
 

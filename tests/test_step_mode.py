@@ -85,3 +85,21 @@ def test_multi_process_rank0_asks_others_wait_and_q_ends_every_process(tmp_path)
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or \
             open(f"/proc/{pid}/stat").read().split()[2] == "Z", f"rank process {pid} still runs"
+
+
+def test_torchrun_workers_pause_only_once_they_can_wait_together(tmp_path):
+    """Under torchrun, Step 1 runs before the process group exists: pausing there would leave
+    the other ranks waiting at the rendezvous until they time out. The first pause comes after
+    Step 2 and sums up both steps; waiting longer than the timeout is then harmless."""
+    t = Terminal("-m", "common.nodes", "--nnodes", "1", "--nproc-per-node", "2", "--",
+                 lesson_path("06"), "--step", "--epochs", "1", "--timeout", "5", "--out", tmp_path)
+    first = t.expect(r"(?s)Step 1:.*?\[Enter\] next step", timeout=90).group(0)
+    assert "Step 2: Join the process group" in first
+    assert "done: Step 1: Read who we are" in first and "done: Step 2: Join" in first
+    time.sleep(7)  # longer than the process group's 5 s timeout
+    t.type("\n")
+    t.expect(r"Step 3: See which rank lives on which node")
+    t.expect(r"\[Enter\] next step")
+    t.type("q\n")
+    t.expect(r"Stopped at your request")
+    assert t.exit_code(timeout=90) == 0
