@@ -391,34 +391,10 @@ def _rank_09(rank: int, world: int, path: str) -> dict:
     """Save a DDP model whose parts are called `module` and `submodule`, strip the keys with
     the learner's function, and load them strictly into the plain model."""
     import torch
-    import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    class Residual(nn.Module):  # x + module(x): lesson 09's block, its child called `module`
-        def __init__(self, module: nn.Module):
-            super().__init__()
-            self.module = module
-
-        def forward(self, x):
-            return x + self.module(x)
-
-    class Stem(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.submodule = nn.Linear(16, 32)
-
-        def forward(self, x):
-            return self.submodule(x).relu()
-
-    class TinyNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.stem = Stem()
-            self.block = Residual(nn.Linear(32, 32))
-            self.head = nn.Linear(32, 4)
-
-        def forward(self, x):
-            return self.head(self.block(self.stem(x)))
+    # Lesson 09's own model: keys stem.submodule.*, block.module.*, head.*
+    TinyNet = load(ROOT / "lessons" / "09_checkpoint_keys.py").TinyNet
 
     module = load(Path(path))
     torch.manual_seed(0)
