@@ -36,7 +36,7 @@ help:
 	@printf "  %-26s %s\n" \
 		"make lessons" "run every lesson in order, with its defaults" \
 		"make check-NN [FILE=path]" "check an answer to lesson NN's exercise (make checks lists them)" \
-		"make diff FROM=04 TO=05" "what changed between two lessons' code" \
+		"make diff TO=NN [FROM=NN]" "what lesson NN adds to its parent (or to lesson FROM)" \
 		"make test" "run the test suite (pytest, CPU only, under 10 minutes on 2 cores)" \
 		"make bench" "measured speedups and costs (about a minute; docs/PERFORMANCE.md)" \
 		"make docs-output" "rerun the commands whose output the docs show (DOCS=docs/01_*.md)" \
@@ -84,9 +84,9 @@ distclean: clean
 docs-output: $(STAMP)  ## regenerate the real output pasted into docs/*.md
 	$(PY) tools/doc_output.py $(DOCS)
 
-diff: $(STAMP)  ## what changed between two lessons: make diff FROM=04 TO=05
-	@if [ -z "$(FROM)" ] || [ -z "$(TO)" ]; then echo "error: give two lessons, e.g. make diff FROM=04 TO=05" >&2; exit 2; fi
-	@$(PY) tools/lesson_diff.py $(FROM) $(TO)
+diff: $(STAMP)  ## what a lesson adds to its parent: make diff TO=14 (or FROM=04 TO=05)
+	@if [ -z "$(TO)" ]; then echo "error: name the lesson, e.g. make diff TO=14 (its parent is found), or make diff FROM=04 TO=05" >&2; exit 2; fi
+	@$(PY) tools/lesson_diff.py "$(FROM)" $(TO)
 
 bench: $(STAMP)  ## measured performance: runs/bench/results.json, a table and plots, docs/PERFORMANCE.md
 	$(PY) -m bench.run $(ARGS)

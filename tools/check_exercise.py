@@ -1,8 +1,10 @@
 """Check a learner's exercise: `make check-NN [FILE=path]`.
 
 Every check runs the learner's code for real and prints either "ok: ..." (exit 0) or what
-is still wrong and a hint (exit 1). Checks live in this file, one function per exercise,
-registered in CHECKS; the starter files are in exercises/.
+is still wrong and a hint (exit 1). The checks of lessons 05-12 live in this file, one
+function per exercise, registered in CHECKS; from lesson 13 on, each check is a file of its
+own, tools/checks/check_NN.py, that defines STARTER (the exercise's path) and check(path),
+and shares this file's harness (NotYet, load, run_world). The starters are in exercises/.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.cli import fail  # noqa: E402
+
+if __name__ == "__main__":  # so that `from check_exercise import NotYet` finds this very module
+    sys.modules.setdefault("check_exercise", sys.modules[__name__])
 
 
 class NotYet(Exception):
@@ -713,6 +718,12 @@ CHECKS = {
     "11": ("exercises/11_sync_step.py", check_11),
     "12": ("exercises/12_eval_accuracy.py", check_12),
 }
+
+CHECKS_DIR = Path(__file__).resolve().parent / "checks"
+sys.path.insert(0, str(CHECKS_DIR))
+for _file in sorted(CHECKS_DIR.glob("check_[0-9][0-9].py")):
+    _module = importlib.import_module(_file.stem)
+    CHECKS[_file.stem[-2:]] = (_module.STARTER, _module.check)
 
 
 def main(argv: list[str]) -> None:

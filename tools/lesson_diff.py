@@ -1,11 +1,16 @@
 """Show what changed between two lessons' code, highlighted: what a new idea costs.
 
-    make diff FROM=04 TO=05
-    .venv/bin/python tools/lesson_diff.py 01 05 [--context 3]
+    make diff TO=14                 # lesson 14 against its parent (named in its docstring)
+    make diff FROM=01 TO=05
+    .venv/bin/python tools/lesson_diff.py 13 14 [--context 3]
+
+A lesson that grows from another names it in its docstring, on a line of its own:
+`Parent: lesson 13 (lessons/13_transformer_memory.py)`. `parent_of` reads that line.
 """
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from pathlib import Path
 
@@ -27,15 +32,37 @@ def lesson_file(number: str) -> Path:
     return matches[0]
 
 
+PARENT = re.compile(r"^Parent: lesson (\d\d)\b", re.M)
+
+
+def parent_of(path: Path) -> str | None:
+    """The number of the lesson `path` grows from, or None for a lesson that opens a topic."""
+    match = PARENT.search(path.read_text())
+    return match[1] if match else None
+
+
+def changed_lines(a: Path, b: Path) -> int:
+    """Lines added plus lines removed from a to b, as `diff` counts them."""
+    diff = difflib.unified_diff(a.read_text().splitlines(), b.read_text().splitlines(), n=0, lineterm="")
+    return sum(1 for l in diff if l[:1] in "+-" and not l.startswith(("+++", "---")))
+
+
 def main(argv: list[str]) -> None:
     parser = LessonParser(prog="make diff FROM=NN TO=NN", description=__doc__.splitlines()[0],
                           formatter_class=HelpFormatter)
-    parser.add_argument("from_lesson", metavar="FROM", help="the earlier lesson's number, e.g. 04")
+    parser.add_argument("from_lesson", metavar="FROM", nargs="?", default="",
+                        help="the earlier lesson's number, e.g. 04 (default: TO's parent)")
     parser.add_argument("to_lesson", metavar="TO", help="the later lesson's number, e.g. 05")
     parser.add_argument("--context", type=nonnegative_int, default=3,
                         help="unchanged lines shown around each change")
     args = parser.parse_args(argv)
-    a, b = lesson_file(args.from_lesson), lesson_file(args.to_lesson)
+    b = lesson_file(args.to_lesson)
+    if not args.from_lesson:
+        args.from_lesson = parent_of(b) or ""
+        if not args.from_lesson:
+            fail(f"lesson {b.name[:2]} names no parent lesson (it opens a topic); "
+                 f"compare two lessons with make diff FROM=NN TO={b.name[:2]}")
+    a = lesson_file(args.from_lesson)
     old, new = a.read_text().splitlines(), b.read_text().splitlines()
     diff = list(difflib.unified_diff(old, new, f"lessons/{a.name}", f"lessons/{b.name}",
                                      n=args.context, lineterm=""))

@@ -1,0 +1,74 @@
+"""The lesson shape (../shared/STYLE.md): a lesson file is one idea, grown from its parent.
+
+* At most 200 code lines per lesson file (comments, docstrings and blank lines not counted).
+  Checked for Part 2 (lessons 13 and up) and for every Part 1 lesson already reshaped (listed in
+  SHAPED); the rest of Part 1 is being reshaped (issue: lesson shape).
+* A lesson that names a parent (`Parent: lesson NN (...)` in its docstring) changes at most half
+  of its lines against that parent, as `diff` counts them, so `make diff TO=NN` shows the idea.
+"""
+import io
+import re
+import sys
+import tokenize
+
+import pytest
+
+from conftest import ROOT, run
+
+sys.path.insert(0, str(ROOT / "tools"))
+from lesson_diff import changed_lines, lesson_file, parent_of  # noqa: E402
+
+LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
+SHAPED = {"01"}  # Part 1 lessons already within the limits
+
+
+def code_lines(source: str) -> int:
+    """Lines holding code: not comments, not docstrings, not blank."""
+    code, doc, prev = set(), set(), None
+    for t in tokenize.generate_tokens(io.StringIO(source).readline):
+        if t.type == tokenize.STRING and (prev is None or prev.type in (
+                tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.NL)):
+            doc.update(range(t.start[0], t.end[0] + 1))
+        elif t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                            tokenize.DEDENT, tokenize.ENDMARKER):
+            code.update(range(t.start[0], t.end[0] + 1))
+        if t.type not in (tokenize.COMMENT, tokenize.NL):
+            prev = t
+    return len(code - doc)
+
+
+def test_code_lines_counts_only_code():
+    src = '"""Doc\nstring."""\n# a comment\n\nx = 1  # trailing\ny = """not a\ndocstring"""\n'
+    assert code_lines(src) == 3
+
+
+@pytest.mark.parametrize("lesson", [p for p in LESSONS if p.name[:2] >= "13" or p.name[:2] in SHAPED],
+                         ids=lambda p: p.stem)
+def test_lesson_has_at_most_200_code_lines(lesson):
+    n = code_lines(lesson.read_text())
+    assert n <= 200, f"{lesson.name} has {n} code lines; move what is not the idea out of it"
+
+
+@pytest.mark.parametrize("lesson", [p for p in LESSONS if parent_of(p)], ids=lambda p: p.stem)
+def test_lesson_grows_from_its_parent(lesson):
+    parent = lesson_file(parent_of(lesson))
+    changed = changed_lines(parent, lesson)
+    total = len(lesson.read_text().splitlines())
+    assert changed <= total / 2, (f"{lesson.name} changes {changed} lines against its parent "
+                                  f"{parent.name} ({total} lines): grow it, do not rewrite it")
+
+
+def test_part2_lessons_name_a_parent_or_open_a_topic():
+    for lesson in LESSONS:
+        if lesson.name[:2] > "13":
+            assert parent_of(lesson), f"{lesson.name} names no 'Parent: lesson NN' in its docstring"
+
+
+def test_make_diff_defaults_to_the_parent():
+    with_parent = [p for p in LESSONS if parent_of(p)]
+    if not with_parent:
+        pytest.skip("no lesson names a parent yet")
+    lesson = with_parent[0]
+    first = run(["make", "-s", "diff", f"TO={lesson.name[:2]}"]).stdout.splitlines()[0]
+    assert first.startswith(f"{lesson_file(parent_of(lesson)).name} -> {lesson.name}:"), first
+    assert re.search(r"\d+ lines added", first)
