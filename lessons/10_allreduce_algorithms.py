@@ -5,7 +5,8 @@ the call on trust. Here we build all-reduce twice out of point-to-point messages
 (`dist.isend` / `dist.irecv` on gloo) and count every byte each rank sends and receives:
 
 * a parameter server: every rank sends its tensor to rank 0, rank 0 sums and sends the
-  result back (the pattern of `nn.DataParallel`);
+  result back (the shape of `nn.DataParallel`, though on GPUs DP's sum and broadcast go
+  through NCCL's pipelined reduce and broadcast, so its device 0 does not pay (N-1)*S);
 * a ring all-reduce: reduce-scatter, then all-gather, N-1 + N-1 steps on 1/N-sized chunks.
 
 Both are checked against `dist.all_reduce`, drawn step by step, and timed beside it for
