@@ -1,7 +1,12 @@
 """Put a "New terms" line in every lesson doc (English and Chinese), linking the glossary
-entries whose "first in" column names that lesson. Run it after editing docs/GLOSSARY.md:
+entries whose "first in" column names that lesson. English docs link docs/GLOSSARY.md, Chinese
+docs link docs/zh/GLOSSARY.md under the Chinese name of each term. Run it after adding a row to
+docs/GLOSSARY.md and its translation (same anchor) to docs/zh/GLOSSARY.md:
 
-    .venv/bin/python tools/glossary_links.py [NN ...]
+    .venv/bin/python tools/glossary_links.py [--en | --zh] [NN ...]
+
+A term that has no Chinese row yet is linked from the Chinese doc to the English glossary;
+tests/test_translations_extra.py names every such term until its row is translated.
 """
 from __future__ import annotations
 
@@ -15,34 +20,60 @@ MARK_EN = "**New terms in this lesson:**"
 MARK_ZH = "**本课新术语：**"
 
 
-def terms_by_lesson() -> dict[str, list[tuple[str, str]]]:
+def terms_by_lesson(glossary: Path = ROOT / "docs" / "GLOSSARY.md") -> dict[str, list[tuple[str, str]]]:
     found: dict[str, list[tuple[str, str]]] = {}
-    for anchor, name, lesson in ROW.findall((ROOT / "docs" / "GLOSSARY.md").read_text()):
+    for anchor, name, lesson in ROW.findall(glossary.read_text()):
         found.setdefault(lesson, []).append((anchor, name))
     return found
 
 
-def insert(doc: Path, line: str, mark: str) -> None:
-    text = doc.read_text()
+def zh_names() -> dict[str, str]:
+    """Anchor -> Chinese name, from docs/zh/GLOSSARY.md (empty if it does not exist)."""
+    zh = ROOT / "docs" / "zh" / "GLOSSARY.md"
+    return {anchor: name for anchor, name, _ in ROW.findall(zh.read_text())} if zh.exists() else {}
+
+
+def en_line(terms: list[tuple[str, str]]) -> str:
+    links = ", ".join(f"[{name}](GLOSSARY.md#{a})" for a, name in terms)
+    return f"{MARK_EN} {links} (every term: [glossary](GLOSSARY.md))."
+
+
+def zh_line(terms: list[tuple[str, str]], names: dict[str, str]) -> str:
+    # the Chinese glossary sits beside the Chinese docs; an untranslated term falls back to English
+    links = "、".join(f"[{names[a]}](GLOSSARY.md#{a})" if a in names else f"[{name}](../GLOSSARY.md#{a})"
+                     for a, name in terms)
+    return f"{MARK_ZH}{links}（全部术语见[术语表](GLOSSARY.md)）。"
+
+
+def insert(doc: Path, line: str, mark: str) -> bool:
+    old = doc.read_text()
     # replace an older line (and the blank line after it); touch nothing else
-    text = re.sub(rf"^{re.escape(mark)}.*\n\n", "", text, flags=re.M)
+    text = re.sub(rf"^{re.escape(mark)}.*\n\n", "", old, flags=re.M)
     # before the first level-2 heading: right after the introduction
     at = text.index("\n## ") + 1
-    doc.write_text(text[:at] + line + "\n\n" + text[at:])
+    text = text[:at] + line + "\n\n" + text[at:]
+    if text != old:
+        doc.write_text(text)
+    return text != old
 
 
-def main(only: list[str]) -> None:
+def main(args: list[str]) -> None:
+    langs = {a[2:] for a in args if a in ("--en", "--zh")} or {"en", "zh"}
+    only = [a for a in args if not a.startswith("--")]
+    names = zh_names()
     for lesson, terms in sorted(terms_by_lesson().items()):
         if only and lesson not in only:
             continue
         for doc in (ROOT / "docs").glob(f"{lesson}_*.md"):
-            links = ", ".join(f"[{name}](GLOSSARY.md#{a})" for a, name in terms)
-            insert(doc, f"{MARK_EN} {links} (every term: [glossary](GLOSSARY.md)).", MARK_EN)
+            changed = []
+            if "en" in langs and insert(doc, en_line(terms), MARK_EN):
+                changed.append(f"docs/{doc.name}")
             zh = ROOT / "docs" / "zh" / doc.name
-            if zh.exists():
-                links = "、".join(f"[{name}](../GLOSSARY.md#{a})" for a, name in terms)
-                insert(zh, f"{MARK_ZH}{links}（全部术语见[术语表](../GLOSSARY.md)，目前为英文）。", MARK_ZH)
-            print(f"{doc.name}: {len(terms)} terms")
+            if "zh" in langs and zh.exists() and insert(zh, zh_line(terms, names), MARK_ZH):
+                changed.append(f"docs/zh/{doc.name}")
+            missing = [a for a, _ in terms if a not in names]
+            print(f"{doc.name}: {len(terms)} terms; rewrote: {', '.join(changed) or 'nothing'}"
+                  + (f"; no Chinese row yet: {', '.join(missing)}" if missing else ""))
 
 
 if __name__ == "__main__":
