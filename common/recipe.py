@@ -11,7 +11,6 @@ lesson 01's. Two choices make that comparison exact rather than approximate:
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,12 +33,6 @@ N_TEST = 1024
 FEATURES = 16
 CLASSES = 4
 DATA_SEED = 1234      # fixed: the data set never changes, only --seed does
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's and torch's global RNGs (all CUDA devices too)."""
-    random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
 
 
 class MLP(nn.Module):

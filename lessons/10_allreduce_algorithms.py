@@ -67,7 +67,7 @@ def parse_args():
     parser.add_argument("--repeats", type=positive_int, default=5,
                         help="timed repetitions per table cell; the table shows their median")
     parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of every rank's random tensors (rank r uses seed + r)")
+                        help="seed of every rank's random tensors (each rank its own generator)")
     parser.add_argument("--skip-rank", type=nonnegative_int, default=None,
                         help="a broken mode: this rank skips its part of the ring, and its "
                              "neighbours wait for it until --timeout ends the job")
@@ -400,7 +400,9 @@ def explain_timeout(rank: int, timeout: float):
 
 def own_tensor(size: int, seed: int, rank: int) -> torch.Tensor:
     """This rank's "gradient": per-rank randomness from a private generator, never global."""
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    # seed above 32 bits of rank: distinct for every (seed, rank); seed * 1000 + rank would
+    # give seed 0, rank 1000 the numbers of seed 1, rank 0
+    g = torch.Generator().manual_seed(seed * 2**32 + rank)
     return torch.randn(size, generator=g)
 
 

@@ -245,13 +245,13 @@ def pitfall_augmentation_seed(ui, rank, world_size, args, data, store, evidence)
         torch.manual_seed(args.seed)  # the same seed on every rank
         noise = torch.randn(x.shape)
     else:
-        g = torch.Generator().manual_seed(args.seed * 1000 + rank)  # distinct per (seed, rank)
+        g = torch.Generator().manual_seed(args.seed * 2**32 + rank)  # distinct per (seed, rank)
         noise = torch.randn(x.shape, generator=g)
     augmented = x + 0.1 * noise  # "jitter": the simplest augmentation there is
     noises = [torch.empty_like(noise) for _ in range(world_size)]
     dist.all_gather(noises, noise)
     label = "broken: torch.manual_seed(seed) on every rank" if broken else \
-        "fixed: torch.Generator().manual_seed(seed * 1000 + rank)"
+        "fixed: torch.Generator().manual_seed(seed * 2**32 + rank)"
     ui.print(f"{label}; x + 0.1 * noise on each rank's {tuple(augmented.shape)} batch; "
              f"its first noise vector:")
     for r, n in enumerate(noises):
