@@ -15,6 +15,10 @@ Hint: lesson 10, Step 3: the picture shows, step by step, which chunk every rank
 what each chunk holds afterwards. Which chunk is complete on rank r when reduce-scatter
 ends, and so which one must rank r send first in all-gather?
 
+On GPUs (NCCL) post a step's send and receive as one `dist.batch_isend_irecv([...])` of
+`dist.P2POp`s, and pass `device_id=` to `init_process_group`: separate isend/irecv calls,
+fine on gloo, can deadlock or run one after the other on NCCL for N >= 3.
+
 Check it:  make check-10   (runs 2, 3 and 4 ranks on gloo and compares every result with
                             dist.all_reduce, for tensor sizes 1, N-1, N, N+1, 10 and 1001)
 """
