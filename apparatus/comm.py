@@ -1,0 +1,223 @@
+"""Count the collectives a rank calls, the bytes it sends, and how much of it hid behind backward.
+
+One instrument for every Part 2 lesson that asks "how much did we communicate, and when?"
+(lesson 14: DDP by hand; 15: ZeRO and FSDP2; 17 and 20 after them):
+
+    from apparatus.comm import CommLog
+    log = CommLog()
+    with log.recording(), log.watching(model):   # model: the plain module whose grads arrive
+        for step in range(steps):
+            loss = ...
+            with log.backward():                 # marks one backward pass
+                loss.backward()
+            ...                                  # e.g. wait for the gradients' all-reduces
+    print(log.summary(steps))                    # calls, bytes sent, overlap, per step
+
+How it sees the calls: inside `recording()`, the collective functions of `torch.distributed`
+(all_reduce, broadcast, all_gather*, reduce_scatter*, all_to_all_single) are wrapped, so every
+call made through the module attribute (`dist.all_reduce(...)`, which is how the lessons,
+DDP's Python comm hooks, ZeroRedundancyOptimizer and FSDP2 call them) is logged with its
+kind, its bytes and its start time. Its end time is when the work really completed: for
+`async_op=True` a callback on the work's future, otherwise when the call returned. On CUDA
+a collective's future completes when it is *enqueued* on the GPU stream, not when the GPU
+has run it: there the times say when the CPU issued the work, and the overlap is a bound.
+
+torch's DDP does not call `dist.all_reduce`: its C++ reducer talks to the process group
+directly. `route_ddp_through_python(ddp_model)` registers PyTorch's own `allreduce_hook`
+(divide by N, then `dist.all_reduce`, exactly what the reducer does by default), so its
+buckets pass through `dist.all_reduce` and get logged. That is lesson 08's counting comm
+hook idea, with the counting moved here, so there is one counter for every strategy.
+
+Bytes each rank sends, counted as lesson 10 counts a ring (S: the bytes of the data, N: the
+group's size): all-reduce 2(N-1)/N * S; all-gather (S = the gathered output) and
+reduce-scatter (S = the input before scattering) (N-1)/N * S; broadcast and all-to-all
+(N-1)/N * S (on average per rank). A world of one sends nothing.
+
+Not seen: functional collectives (torch.distributed._functional_collectives, used by DTensor
+and tensor parallelism) and calls made from C++. For those, torch's own
+`torch.distributed.tensor.debug.CommDebugMode` counts calls per op: measured on torch 2.14.1
+(gloo) it counts `c10d.allreduce_` and `c10d.broadcast_` calls, DDP's reducer included, but
+records neither bytes nor times, and it intercepts every tensor op while it is on.
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# name -> (how to read "S" from the bound arguments, bytes sent per rank as a share of S)
+RING = {
+    "all_reduce": ("tensor", lambda n: 2 * (n - 1) / n),
+    "broadcast": ("tensor", lambda n: (n - 1) / n),
+    "all_gather": ("tensor_list", lambda n: (n - 1) / n),
+    "all_gather_into_tensor": ("output_tensor", lambda n: (n - 1) / n),
+    "all_gather_single": ("output_tensor", lambda n: (n - 1) / n),
+    "reduce_scatter": ("input_list", lambda n: (n - 1) / n),
+    "reduce_scatter_tensor": ("input", lambda n: (n - 1) / n),
+    "reduce_scatter_single": ("input", lambda n: (n - 1) / n),
+    "all_to_all_single": ("input", lambda n: (n - 1) / n),
+}
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(_nbytes(v) for v in value)  # a list of tensors
+
+
+def _group_size(group) -> int:
+    try:
+        return dist.get_world_size(group)
+    except Exception:  # a backend object instead of a ProcessGroup
+        return group.size()
+
+
+@dataclass
+class Collective:
+    kind: str             # "all_reduce", "all_gather_into_tensor", ...
+    data_bytes: int       # S: the tensor reduced, the output gathered, the input scattered
+    sent_bytes: float     # what this rank sends, by the ring formulas above
+    group_size: int
+    start: float          # time.perf_counter() when it was called
+    end: float | None = None  # when it completed (None: not yet)
+
+
+class CommLog:
+    """Everything one rank communicated while recording(); see the module docstring."""
+
+    def __init__(self):
+        self.calls: list[Collective] = []
+        self.windows: list[list[float]] = []  # per backward: [start, last gradient, end]
+        self._inside = threading.local()      # a wrapped collective calling another: count once
+
+    # -- recording -----------------------------------------------------------------------
+    @contextmanager
+    def recording(self):
+        """Log every torch.distributed collective called (through `dist.<name>`) inside."""
+        originals = {name: getattr(dist, name) for name in RING if hasattr(dist, name)}
+        for name, fn in originals.items():
+            setattr(dist, name, self._wrap(name, fn))
+        try:
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+    def _wrap(self, name: str, fn):
+        signature = inspect.signature(fn)
+        what, share = RING[name]
+
+        def logged(*args, **kwargs):
+            if getattr(self._inside, "depth", 0):
+                return fn(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            n = _group_size(bound.arguments.get("group"))
+            size = _nbytes(bound.arguments[what])
+            if name == "all_gather":
+                size = _nbytes(bound.arguments["tensor"]) * n
+            call = Collective(name, size, share(n) * size, n, time.perf_counter())
+            self._inside.depth = 1
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                self._inside.depth = 0
+            self.calls.append(call)
+            if work is None:  # a blocking call: it has completed
+                call.end = time.perf_counter()
+            else:             # async: the future completes when the data has arrived
+                work.get_future().add_done_callback(
+                    lambda _: setattr(call, "end", time.perf_counter()))
+            return work
+
+        return logged
+
+    # -- backward windows ----------------------------------------------------------------
+    @contextmanager
+    def watching(self, model: torch.nn.Module):
+        """Note when each gradient of `model` is accumulated: the last one ends the compute."""
+        def arrived(_param):
+            if self.windows:
+                self.windows[-1][1] = time.perf_counter()
+
+        handles = [p.register_post_accumulate_grad_hook(arrived)
+                   for p in model.parameters() if p.requires_grad]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextmanager
+    def backward(self):
+        """Mark one backward pass. Its compute ends with the last gradient (under watching())
+        or when the block ends; torch's DDP waits for its buckets inside backward()."""
+        now = time.perf_counter()
+        self.windows.append([now, now, now])
+        try:
+            yield
+        finally:
+            window = self.windows[-1]
+            window[2] = time.perf_counter()
+            if window[1] == window[0]:  # nothing watched: the whole block was compute
+                window[1] = window[2]
+
+    # -- results -------------------------------------------------------------------------
+    def summary(self, steps: int, kinds: tuple[str, ...] | None = None) -> dict:
+        """Per step: calls, bytes of data, bytes this rank sent; over the whole log: how much
+        of the time any collective was in flight fell inside a backward's compute."""
+        calls = [c for c in self.calls if kinds is None or c.kind in kinds]
+        done = [(c.start, c.end) for c in calls if c.end is not None]
+        busy = _union(done)
+        compute = _union([(w[0], w[1]) for w in self.windows])
+        overlap = _intersection(busy, compute)
+        in_flight = sum(e - s for s, e in busy)
+        last_grad = [w[1] for w in self.windows]
+        launched_early = sum(1 for c in calls if any(w[0] <= c.start < w[1] for w in self.windows))
+        return {
+            "calls_per_step": len(calls) / steps,
+            "data_bytes_per_step": sum(c.data_bytes for c in calls) / steps,
+            "sent_bytes_per_step": sum(c.sent_bytes for c in calls) / steps,
+            "launched_during_backward": launched_early / max(1, len(calls)),
+            "comm_seconds_per_step": in_flight / steps,
+            "overlapped_fraction": overlap / in_flight if in_flight > 0 else 0.0,
+            "exposed_seconds_per_step": (in_flight - overlap) / steps,
+            "backward_windows": len(last_grad),
+        }
+
+
+def route_ddp_through_python(ddp_model) -> None:
+    """Make torch's DDP all-reduce its buckets with `dist.all_reduce`, where CommLog sees them.
+
+    PyTorch's own allreduce_hook divides each bucket by the world size and calls
+    dist.all_reduce(async_op=True): the same arithmetic as the reducer's built-in path.
+    Register it before the first backward (DDP refuses a hook after that).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    ddp_model.register_comm_hook(None, allreduce_hook)  # state None: the default group
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the overlap of two sorted lists of disjoint intervals."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
