@@ -20,7 +20,7 @@ RUN_06 := -m common.nodes --nnodes 2 --nproc-per-node 2 --
 RUN_07 := -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
 
 # check-% and lesson-% are pattern rules
-.PHONY: checks help venv lessons test clean distclean docs-output diff bench
+.PHONY: checks help venv lessons test clean distclean docs-output diff bench read
 
 help:
 	@echo "Distributed PyTorch, Step by Step"
@@ -37,6 +37,7 @@ help:
 		"make lessons" "run every lesson in order, with its defaults" \
 		"make check-NN [FILE=path]" "check an answer to lesson NN's exercise (make checks lists them)" \
 		"make diff TO=NN [FROM=NN]" "what lesson NN adds to its parent (or to lesson FROM)" \
+		"make read" "the lessons as a website, each step's doc beside its code (runs/read/)" \
 		"make test" "run the test suite (pytest, CPU only, under 10 minutes on 2 cores)" \
 		"make bench" "measured speedups and costs (about a minute; docs/PERFORMANCE.md)" \
 		"make docs-output" "rerun the commands whose output the docs show (DOCS=docs/01_*.md)" \
@@ -90,3 +91,6 @@ diff: $(STAMP)  ## what a lesson adds to its parent: make diff TO=14 (or FROM=04
 
 bench: $(STAMP)  ## measured performance: runs/bench/results.json, a table and plots, docs/PERFORMANCE.md
 	$(PY) -m bench.run $(ARGS)
+
+read: $(STAMP)  ## the reading site: each lesson's doc beside its code, step by step (runs/read/)
+	@$(PY) tools/read_site.py
