@@ -84,6 +84,7 @@ class Collective:
     sent_bytes: float     # what this rank sends, by the ring formulas above
     group_size: int
     start: float          # time.perf_counter() when it was called
+    async_op: bool        # False: the caller waited for it to finish
     end: float | None = None  # when it completed (None: not yet)
 
 
@@ -120,7 +121,8 @@ class CommLog:
             size = _nbytes(bound.arguments[what])
             if name == "all_gather":
                 size = _nbytes(bound.arguments["tensor"]) * n
-            call = Collective(name, size, share(n) * size, n, time.perf_counter())
+            call = Collective(name, size, share(n) * size, n, time.perf_counter(),
+                              bool(bound.arguments.get("async_op", False)))
             self._inside.depth = 1
             try:
                 work = fn(*args, **kwargs)
@@ -183,6 +185,7 @@ class CommLog:
             "data_bytes_per_step": sum(c.data_bytes for c in calls) / steps,
             "sent_bytes_per_step": sum(c.sent_bytes for c in calls) / steps,
             "launched_during_backward": launched_early / max(1, len(calls)),
+            "async_fraction": sum(c.async_op for c in calls) / max(1, len(calls)),
             "comm_seconds_per_step": in_flight / steps,
             "overlapped_fraction": overlap / in_flight if in_flight > 0 else 0.0,
             "exposed_seconds_per_step": (in_flight - overlap) / steps,
