@@ -1,0 +1,277 @@
+"""The Part 2 recipe: a small decoder-only transformer, its data, and its reference.
+
+Lesson 13 trains it on one device; lessons 14-20 train it in parallel and must end with
+lesson 13's weights (within 1e-3, beside the "chunked batch" floor, see train_reference).
+
+API (everything a Part 2 lesson needs):
+
+    from common import transformer as T
+    model = T.make_model(seed)                 # Transformer, same weights for the same seed
+    optimizer = T.make_optimizer(model)        # AdamW(lr=1e-2, eps=1e-5)
+    x, y = T.batch(step, seed)                 # (GLOBAL_BATCH, SEQ) int64 tokens and targets
+    x, y = T.shard(x, rank, world), T.shard(y, rank, world)   # rank r's contiguous rows
+    loss = T.loss_fn(model(x), y)              # mean cross-entropy over every token
+    T.loss_floor()                             # the best loss any model can reach (nats/token)
+    T.train_reference(seed, steps, chunks=N)   # {"state": final weights, "losses": tensor}
+
+Shapes: model(x) maps (B, SEQ) token ids to (B, SEQ, VOCAB) logits. Parameter names are
+Megatron-friendly, so tensor parallelism can split them by name: tok_emb, pos_emb,
+blocks.<i>.{norm1, attn.{q, k, v, proj}, norm2, mlp.{fc, proj}}, norm, head. q, k and v
+are separate Linear layers (a fused qkv split column-wise would give rank 0 all of q and
+part of k); the attention reshapes with `view(B, T, -1, HEAD_DIM)`, so a rank holding
+N_HEADS / tp heads works unchanged. model.blocks is an nn.ModuleList (FSDP2 wraps each
+block; pipelining keeps a slice of them); forward skips tok_emb/pos_emb and head when a
+pipeline stage has set them to None.
+
+The data: token sequences from an order-2 Markov chain over VOCAB tokens whose transition
+table is fixed (TABLE_SEED). Its entropy rate is the best loss any model can reach on
+long sequences; loss_floor() is the exact best *expected* loss for our batches (the first
+target of each row has only one token of context). Every run prints how close it came.
+
+The global batch of a step is a function of (step, seed) only, and has GLOBAL_BATCH = 48
+rows: it divides by 1, 2, 3 and 4, and every rank r of N takes the rows
+[r * 48/N, (r + 1) * 48/N) (shard()). With equal shards the mean of the per-rank mean
+losses is the global mean, so averaging gradients over ranks gives one device's gradient.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SEED = 0              # initial weights and the batches
+STEPS = 100           # optimizer steps
+GLOBAL_BATCH = 48     # sequences per optimizer step, summed over all ranks
+SEQ = 32              # tokens of context per sequence (divides by 1, 2 and 4)
+LR = 1e-2             # AdamW learning rate (weight_decay is AdamW's default, 0.01)
+EPS = 1e-5            # AdamW epsilon: see make_optimizer
+VOCAB = 8             # distinct tokens
+DIM = 64              # model width
+N_HEADS = 4           # attention heads (divides by 1, 2 and 4)
+HEAD_DIM = DIM // N_HEADS
+N_BLOCKS = 2          # transformer blocks
+MLP_DIM = 4 * DIM     # hidden width of each block's MLP
+TABLE_SEED = 1234     # fixed: the Markov chain never changes, only --seed does
+SHARPNESS = 3.0       # larger: more predictable next tokens, a lower floor
+
+
+# --- the model -----------------------------------------------------------------------
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention, from plain Linear layers (easy to split by head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds N_HEADS / tp of them
+        q, k, v = (lin(x).view(B, T, -1, HEAD_DIM).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, HEAD_DIM)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(DIM, MLP_DIM), nn.Linear(MLP_DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(DIM), Attention()
+        self.norm2, self.mlp = nn.LayerNorm(DIM), MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    """Token + position embeddings, N_BLOCKS blocks, a final LayerNorm, the LM head.
+
+    No dropout (it would draw different masks per rank). The head does NOT share the
+    embedding's weight (no weight tying): pipeline parallelism (lesson 18) puts the
+    embedding on the first stage and the head on the last, which a shared tensor forbids.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.tok_emb = nn.Embedding(VOCAB, DIM)
+        self.pos_emb = nn.Embedding(SEQ, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(N_BLOCKS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:  # a later pipeline stage receives activations instead
+            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def make_model(seed: int = SEED) -> Transformer:
+    """The same seed gives the same initial weights in every process."""
+    torch.manual_seed(seed)
+    return Transformer()
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with eps=1e-5 (as LLaMA trained), not torch's 1e-8. Adam divides each step by
+    sqrt(exp_avg_sq) + eps; where a gradient is tiny, eps=1e-8 turns float rounding into
+    large steps. Measured on this recipe: the same batch summed in 2 or 4 chunks ended
+    3e-3 to 1e-2 away from the full batch with eps=1e-8, and about 1e-5 away with 1e-5."""
+    return torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token of the batch (or of a rank's equal shard)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# --- the data --------------------------------------------------------------------------
+
+def transition_table() -> torch.Tensor:
+    """P[a, b, c] = probability that token c follows the pair (a, b); float64, fixed."""
+    g = torch.Generator().manual_seed(TABLE_SEED)
+    logits = torch.randn(VOCAB, VOCAB, VOCAB, generator=g, dtype=torch.float64) * SHARPNESS
+    return logits.softmax(-1)
+
+
+def stationary_pairs(P: torch.Tensor) -> torch.Tensor:
+    """pi[a, b]: how often the pair (a, b) occurs in a long sequence (pi M = pi, sum 1)."""
+    V = P.shape[0]
+    M = torch.zeros(V * V, V * V, dtype=torch.float64)  # pair (a, b) -> pair (b, c)
+    a, b, c = torch.meshgrid(torch.arange(V), torch.arange(V), torch.arange(V), indexing="ij")
+    M[(a * V + b).flatten(), (b * V + c).flatten()] = P.flatten()
+    A = M.T - torch.eye(V * V, dtype=torch.float64)
+    A[-1] = 1.0  # replace one (redundant) equation by "the probabilities sum to 1"
+    rhs = torch.zeros(V * V, dtype=torch.float64)
+    rhs[-1] = 1.0
+    return torch.linalg.solve(A, rhs).view(V, V)
+
+
+def entropy_rate(P: torch.Tensor | None = None) -> float:
+    """H(next | previous two) under the stationary pairs, in nats per token."""
+    P = transition_table() if P is None else P
+    pi = stationary_pairs(P)
+    return float(-(pi * (P * P.log()).sum(-1)).sum())
+
+
+def loss_floor() -> float:
+    """The best expected loss_fn on our batches: each row starts from a stationary pair, so
+    target 1 has one token of context (H(X1 | X0)) and targets 2..SEQ have two (the rate)."""
+    P = transition_table()
+    pi = stationary_pairs(P)
+    p0 = pi.sum(1)  # marginal of one token
+    h1 = float(-(pi * pi.log()).sum() + (p0 * p0.log()).sum())  # H(X0, X1) - H(X0)
+    return (h1 + (SEQ - 1) * entropy_rate(P)) / SEQ
+
+
+_CDF: dict[str, torch.Tensor] = {}
+
+
+def batch(step: int, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step`: (inputs, targets), each (GLOBAL_BATCH, SEQ) int64 on the CPU.
+
+    A function of (step, seed) only, so every rank can draw it and keep its shard.
+    """
+    if not _CDF:
+        P = transition_table()
+        _CDF["pair"] = stationary_pairs(P).flatten().cumsum(0)
+        _CDF["next"] = P.cumsum(-1)
+    g = torch.Generator().manual_seed(1_000_000 * seed + step)  # steps < 1,000,000
+    u = torch.rand(SEQ, GLOBAL_BATCH, 1, generator=g, dtype=torch.float64)  # one draw per token
+    pair = torch.searchsorted(_CDF["pair"], u[0]).clamp(max=VOCAB * VOCAB - 1)[:, 0]
+    tokens = [pair // VOCAB, pair % VOCAB]
+    for t in range(2, SEQ + 1):
+        cdf = _CDF["next"][tokens[-2], tokens[-1]]  # (B, VOCAB)
+        tokens.append(torch.searchsorted(cdf, u[t - 1]).clamp(max=VOCAB - 1)[:, 0])
+    seq = torch.stack(tokens, 1)  # (B, SEQ + 1)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def shard(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous share of a global batch: rows [rank*n, (rank+1)*n), n = B/world."""
+    n = rows.shape[0] // world
+    assert n * world == rows.shape[0], f"{rows.shape[0]} rows do not split into {world}"
+    return rows[rank * n:(rank + 1) * n]
+
+
+# --- the single-process reference ------------------------------------------------------
+
+def _train(seed: int, steps: int, chunks: int) -> dict[str, torch.Tensor]:
+    model = make_model(seed)
+    optimizer = make_optimizer(model)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, seed)
+        optimizer.zero_grad(set_to_none=True)
+        if chunks == 1:  # op for op lesson 13's loop
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+        else:  # the same batch, summed in `chunks` pieces: what N ranks compute, in one process
+            total = 0.0
+            for r in range(chunks):
+                part = loss_fn(model(shard(x, r, chunks)), shard(y, r, chunks)) / chunks
+                part.backward()
+                total += part.item()
+            losses.append(total)
+        optimizer.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"state": state, "losses": torch.tensor(losses, dtype=torch.float64)}
+
+
+def train_reference(seed: int = SEED, steps: int = STEPS, chunks: int = 1) -> dict:
+    """The single-process answer: {"state": final weights, "losses": per-step losses}.
+
+    chunks=1 is lesson 13's run exactly (tests/test_lesson_13.py checks it bit for bit).
+    chunks=N sums the same batches in N pieces, as N ranks do: float rounding alone moves its
+    weights a little from chunks=1 (AdamW magnifies rounding: see make_optimizer), so a run on
+    N ranks is compared within 1e-3 and prints this floor beside its own difference.
+    Computed on the CPU with one thread, once: cached in runs/reference-13/ (keyed by the
+    arguments and this file's source), written atomically, read with weights_only=True.
+    """
+    from common.results import atomic_write  # late import: results imports common.cli
+    from common.cli import ROOT
+
+    source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    path = ROOT / "runs" / "reference-13" / f"seed{seed}-steps{steps}-chunks{chunks}-{source}.pt"
+    if path.exists():
+        try:
+            return torch.load(path, weights_only=True)
+        except Exception:  # a damaged cache file: compute it again
+            pass
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bitwise reproducible, and fast when other processes share the cores
+    try:
+        result = _train(seed, steps, chunks)
+    finally:
+        torch.set_num_threads(threads)
+    atomic_write(path, lambda f: torch.save(result, f))
+    return result
+
+
+def floor_gap(loss: float) -> str:
+    """'+0.0123 from the floor 0.7809 nats/token (entropy rate 0.7551)', for a loss."""
+    floor = loss_floor()
+    return f"{loss - floor:+.4f} from the floor {floor:.4f} nats/token (entropy rate {entropy_rate():.4f})"
+
+
+if __name__ == "__main__":  # a quick look: .venv/bin/python -m common.transformer
+    print(f"floor {loss_floor():.4f}, entropy rate {entropy_rate():.4f}, ln VOCAB {math.log(VOCAB):.4f}")
