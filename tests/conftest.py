@@ -110,3 +110,11 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 def reference_3_epochs() -> dict[str, torch.Tensor]:
     """The single-device answer for the default recipe (seed 0, 3 epochs)."""
     return recipe.train_reference(seed=recipe.SEED, epochs=recipe.EPOCHS)
+
+
+@pytest.fixture(scope="session")
+def reference_13() -> dict:
+    """Lesson 13's single-device answer (seed 0, default steps): {"state", "losses"}, cached
+    on disk by common/transformer.py so every Part 2 test shares one computation."""
+    from common import transformer
+    return transformer.train_reference()
