@@ -20,7 +20,7 @@ RUN_06 := -m common.nodes --nnodes 2 --nproc-per-node 2 --
 RUN_07 := -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
 
 # check-% and lesson-% are pattern rules
-.PHONY: checks help venv lessons test clean distclean docs-output diff bench read
+.PHONY: checks help venv lessons test clean distclean docs-output diff bench bench-docs read
 
 help:
 	@echo "Distributed PyTorch, Step by Step"
@@ -39,7 +39,8 @@ help:
 		"make diff TO=NN [FROM=NN]" "what lesson NN adds to its parent (or to lesson FROM)" \
 		"make read" "the lessons as a website, each step's doc beside its code (runs/read/)" \
 		"make test" "run the test suite (pytest, CPU only, under 10 minutes on 2 cores)" \
-		"make bench" "measured speedups and costs (about a minute; docs/PERFORMANCE.md)" \
+		"make bench" "measured speedups and costs (about a minute; writes runs/bench/)" \
+		"make bench-docs" "maintainers: make bench, then rewrite docs/PERFORMANCE.md (en, zh) and its plots" \
 		"make docs-output" "rerun the commands whose output the docs show (DOCS=docs/01_*.md)" \
 		"make venv" "create .venv and install requirements.txt (done automatically)" \
 		"make clean" "delete runs/ and caches (keeps .venv)" \
@@ -47,21 +48,25 @@ help:
 
 # The virtual environment: created on first use, re-installed when requirements.txt changes.
 $(STAMP): requirements.txt
-	@echo "Setting up $(VENV) (first run only: installs torch, about a minute)..."
+	@echo "Setting up $(VENV) (first run only: downloads and installs torch, which is large; pip shows its progress)..."
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt 2> >(grep -v "^WARNING: Location" >&2)
+	@$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements.txt 2> >(grep -v "^WARNING: Location" >&2)
 	@touch $(STAMP)
 
 venv: $(STAMP)
 
+# lesson-5 is lesson-05, as in make diff FROM=5
+PAD = $(if $(filter 0 1 2 3 4 5 6 7 8 9,$(1)),0$(1),$(1))
+
+# $(error ...): one line and exit code 2, without make's own "Error" line after it
+lesson-:
+	$(error error: name the lesson, e.g. make lesson-01; the lessons are: $(LESSON_NUMS))
+
 lesson-%:
-	@f=$$(ls lessons/$*_*.py 2>/dev/null | head -n 1); \
-	if [ -z "$$f" ]; then \
-		echo "error: there is no lesson '$*'; the lessons are: $(LESSON_NUMS) (e.g. make lesson-01)" >&2; \
-		exit 2; \
-	fi; \
+	$(if $(wildcard lessons/$(call PAD,$*)_*.py),,$(error error: there is no lesson '$*'; the lessons are: $(LESSON_NUMS) (e.g. make lesson-01)))
+	@f=$$(ls lessons/$(call PAD,$*)_*.py | head -n 1); \
 	{ [ $(STAMP) -nt requirements.txt ] || $(MAKE) --no-print-directory $(STAMP); } && \
-	$(PY) $(RUN_$*) $$f $(STEP_FLAG) $(ARGS)
+	$(PY) $(RUN_$(call PAD,$*)) $$f $(STEP_FLAG) $(ARGS)
 
 check-%: $(STAMP)  ## check a learner's exercise: make check-05 [FILE=path]
 	@$(PY) tools/check_exercise.py $* $(FILE)
@@ -89,8 +94,11 @@ diff: $(STAMP)  ## what a lesson adds to its parent: make diff TO=14 (or FROM=04
 	@if [ -z "$(TO)" ]; then echo "error: name the lesson, e.g. make diff TO=14 (its parent is found), or make diff FROM=04 TO=05" >&2; exit 2; fi
 	@$(PY) tools/lesson_diff.py "$(FROM)" $(TO)
 
-bench: $(STAMP)  ## measured performance: runs/bench/results.json, a table and plots, docs/PERFORMANCE.md
+bench: $(STAMP)  ## measured performance: runs/bench/ (results.json, tables, plots, this machine's PERFORMANCE.md)
 	$(PY) -m bench.run $(ARGS)
+
+bench-docs: $(STAMP)  ## rewrite the committed docs/PERFORMANCE.md, docs/zh/PERFORMANCE.md and docs/img/bench/ (needs matplotlib)
+	$(PY) -m bench.run --publish $(ARGS)
 
 read: $(STAMP)  ## the reading site: each lesson's doc beside its code, step by step (runs/read/)
 	@$(PY) tools/read_site.py

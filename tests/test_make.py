@@ -44,3 +44,11 @@ def test_diff_with_an_unknown_lesson_is_one_line():
     assert "'77'" in line and "01" in line
     line = one_error_line(run(["make", "-s", "diff", "FROM=01"], check=False))
     assert "FROM=04 TO=05" in line
+
+
+def test_one_digit_lesson_number_means_that_lesson_and_no_number_is_one_line():
+    # make lesson-1 is lesson 01, as make diff FROM=1 is; flags still pass through
+    out = run(["make", "-s", "lesson-1", "ARGS=--help"]).stdout
+    assert "lessons/01_single_device.py" in out or "01_single_device" in out, out
+    line = one_error_line(run(["make", "-s", "lesson-"], check=False))
+    assert "make lesson-01" in line and all(n in line for n in lesson_numbers())
