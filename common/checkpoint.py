@@ -12,6 +12,7 @@ every key has the same one), and loads strictly. Anything that does not fit is a
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections import OrderedDict
@@ -185,3 +186,65 @@ def load_into(model: nn.Module, source, map_location="cpu") -> str:
                               f"{type(target).__name__} (checkpoint vs model): {_listed(wrong, 4)}")
     target.load_state_dict(state, strict=True)
     return stripped
+
+
+def _tensors(obj, path=""):
+    """(path, tensor) for every tensor inside nested dicts/lists."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{path}[{i}]")
+
+
+def snapshot_problem(snap, template: Mapping, expected: Mapping, total_steps: int,
+                     epochs_flag: str) -> str | None:
+    """Why lesson 07 must not resume from `snap` (one line), or None when it is sound.
+
+    template: a snapshot this run would write (its keys and its model's shapes);
+    expected: format, seed, dataset, global_batch and steps_per_epoch of this run.
+    A resumed run must be exact, so every field is checked before anything is loaded:
+    a negative or non-integer step, a loss curve or sample ledger of the wrong length,
+    NaN or infinite weights, a model of other shapes.
+    """
+    fmt = expected["format"]
+    if not isinstance(snap, Mapping) or snap.get("format") != fmt:
+        return f"is not a lesson-07 snapshot of format {fmt}"
+    missing = sorted(set(template) - set(snap))
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    for key in ("seed", "dataset", "global_batch"):
+        if snap.get(key) != expected[key]:
+            return f"was made with {key} {snap.get(key)!r}, this run uses {expected[key]!r}"
+    step = snap["global_step"]
+    if type(step) is not int or step < 0:
+        return f"has global_step {step!r}; expected a whole number of 0 or more"
+    if step > total_steps:
+        return f"is at step {step}, beyond this run's {total_steps} steps ({epochs_flag})"
+    per_epoch = expected.get("steps_per_epoch")
+    if per_epoch and (snap["epoch"], snap["step_in_epoch"]) != divmod(step, per_epoch):
+        return (f"says epoch {snap['epoch']!r} step {snap['step_in_epoch']!r}, which is not "
+                f"global step {step}")
+    losses = snap["losses"]
+    if not isinstance(losses, list) or len(losses) != step or not all(
+            isinstance(x, float) and math.isfinite(x) for x in losses):
+        return f"has a loss curve that is not {step} finite numbers"
+    samples = snap["samples"]
+    if not isinstance(samples, torch.Tensor) or tuple(samples.shape) != (step, expected["global_batch"]):
+        return f"has a sample ledger that is not {step} x {expected['global_batch']} ids"
+    model, own = snap["model"], template["model"]
+    if not isinstance(model, Mapping) or set(model) != set(own):
+        keys = sorted(set(model) ^ set(own)) if isinstance(model, Mapping) else ["(not a dict)"]
+        return f"does not fit this model (keys differ: {_listed([str(k) for k in keys], 4)})"
+    for k, v in model.items():
+        if not isinstance(v, torch.Tensor) or v.shape != own[k].shape:
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            return f"does not fit this model ({k}: {shape}, the model has {tuple(own[k].shape)})"
+    for where, part in (("weights", model), ("optimizer state", snap["optimizer"])):
+        for name, t in _tensors(part):
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                return f"holds NaN or infinite {where} ({name}); a run cannot resume from them"
+    return None

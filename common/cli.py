@@ -61,8 +61,16 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    if not 0 < value < 1e9:  # inf and nan too: a timeout must end (timedelta overflows)
+        raise argparse.ArgumentTypeError(f"expected a number above 0 (and below 1e9), got {text!r}")
+    return value
+
+
+def seed_number(text: str) -> int:
+    """A seed torch.manual_seed and the per-rank seeds derived from it accept."""
+    value = nonnegative_int(text)
+    if value >= 2**31:
+        raise argparse.ArgumentTypeError(f"expected a seed between 0 and {2**31 - 1}, got {text!r}")
     return value
 
 
@@ -98,7 +106,7 @@ def lesson_parser(doc: str | None, *, recipe: bool = True, distributed: bool = F
     if recipe:
         parser.add_argument("--epochs", type=positive_int, default=r.EPOCHS,
                             help="passes over the training set")
-        parser.add_argument("--seed", type=nonnegative_int, default=r.SEED,
+        parser.add_argument("--seed", type=seed_number, default=r.SEED,
                             help="seed for the initial weights and the sample order")
         parser.add_argument("--dataset", choices=["synthetic", "mnist", "cifar10"],
                             default="synthetic",

@@ -1,18 +1,28 @@
 """Process-group plumbing that lessons 05 and 06 first write out by hand.
 
-* `free_port` / `ensure_port_free`: single-machine runs need a TCP port for the
-  rendezvous store; we bind 127.0.0.1 only, never every interface.
+* `host_store` / `env_store`: the rendezvous *store* (a small key-value server the ranks
+  meet in) listening on one address only. A TCPStore master listens on every interface
+  whatever host you give it (torch 2.14.1), so we bind the socket ourselves (127.0.0.1 for
+  a single machine) and hand it over with `master_listen_fd`. Holding the bound port from
+  start to end also means a second job on the same port fails at once instead of mixing in.
 * `init_from_env`: `dist.init_process_group` with an explicit timeout, reading RANK and
   WORLD_SIZE the way torchrun sets them (and a world of one under plain `python`).
+* `supervise` / `die_with_parent`: whatever stops a parent (Ctrl-C, SIGTERM, SIGHUP, or a
+  SIGKILL that nobody can catch) stops every rank under it, before anything else is said.
 * `teardown`: gc.collect() before destroy_process_group(); see its docstring.
 * `spawn`: mp.spawn with the failing rank's error turned into a short message.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import gc
 import os
+import signal
 import socket
+import sys
+import time
 import traceback
 
 import torch.distributed as dist
@@ -20,15 +30,23 @@ import torch.multiprocessing as mp
 
 from common.cli import fail
 
+LOOPBACK = "127.0.0.1"
+PARENT_ENV = "LESSON_PARENT_PID"  # set by supervise(): the pid a spawned rank must outlive
 
-def free_port(host: str = "127.0.0.1") -> int:
+
+def free_port(host: str = LOOPBACK) -> int:
     """Ask the OS for a port nobody listens on (bind to port 0, read what we got)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def ensure_port_free(port: int, host: str = "127.0.0.1") -> None:
+def busy_port_message(port: int, host: str = LOOPBACK) -> str:
+    return (f"port {port} on {host} is already in use (another job, or a run that has "
+            f"not exited yet); pass another --master-port, or leave it out to pick a free one")
+
+
+def ensure_port_free(port: int, host: str = LOOPBACK) -> None:
     """Fail with one clear line if something already listens on host:port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # SO_REUSEADDR, as the store itself uses: a port left in TIME_WAIT is not "busy"
@@ -36,8 +54,7 @@ def ensure_port_free(port: int, host: str = "127.0.0.1") -> None:
         try:
             s.bind((host, port))
         except OSError:
-            fail(f"port {port} on {host} is already in use (another job, or a run that has "
-                 f"not exited yet); pass another --master-port, or leave it out to pick a free one")
+            fail(busy_port_message(port, host))
 
 
 def choose_port(requested: int | None) -> int:
@@ -45,6 +62,83 @@ def choose_port(requested: int | None) -> int:
         return free_port()
     ensure_port_free(requested)
     return requested
+
+
+def master_address(requested_port: int | None) -> tuple[str, int]:
+    """Where a single-machine job's store listens: (address, port; 0 = pick a free one).
+
+    --master-port wins; else MASTER_ADDR / MASTER_PORT from the environment, as PyTorch's
+    own docs teach; else 127.0.0.1 and a free port.
+    """
+    addr = os.environ.get("MASTER_ADDR") or LOOPBACK
+    if requested_port is not None:
+        return addr, requested_port
+    text = os.environ.get("MASTER_PORT")
+    if not text:
+        return addr, 0
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        fail(f"MASTER_PORT={text!r} in the environment is not a port number (1-65535); "
+             f"unset it or pass --master-port")
+    return addr, int(text)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port only, or one clear line if that cannot be."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as exc:
+        fail(f"cannot resolve the store address {host!r} ({exc.strerror or exc}); "
+             f"check MASTER_ADDR / --master-addr")
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            fail(busy_port_message(port, host))
+        fail(f"cannot listen on {host}:{port} ({exc.strerror or exc}); check MASTER_ADDR, "
+             f"which must be an address of this machine")
+    return sock
+
+
+def host_store(host: str, port: int, timeout_s: float, world_size: int | None = None):
+    """Start a TCPStore server that listens on host:port only; returns (store, port).
+
+    port 0 asks the OS for a free one. The store owns the socket from here on and closes
+    it when it is deleted. use_libuv=False: the libuv server does not take a socket it did
+    not open itself (with libuv it hung, measured on torch 2.14.1).
+    """
+    sock = listen_socket(host, port)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(host, port, world_size, True, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.detach(), use_libuv=False)
+    return store, port
+
+
+def _agent_serves(addr: str, port: int) -> bool:
+    """torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT (the same test
+    torch/distributed/rendezvous.py makes): then every rank is a client."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("MASTER_ADDR") == addr and os.environ.get("MASTER_PORT") == str(port))
+
+
+def env_store(rank: int, world_size: int, timeout_s: float):
+    """The store that init_method="env://" would make, but listening on MASTER_ADDR only.
+
+    Rank 0 hosts it at MASTER_ADDR:MASTER_PORT (unless torchrun's agent already does); the
+    other ranks connect to it. Pass the result to init_process_group(store=...).
+    """
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0 and not _agent_serves(addr, port):
+        store, _ = host_store(addr, port, timeout_s, world_size)
+    else:
+        store = dist.TCPStore(addr, port, world_size, False, timeout)
+    # the agent's store outlives restarts: keep each attempt's keys apart
+    return dist.PrefixStore(f"lesson/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}",
+                            store)
 
 
 def env_world() -> tuple[int, int, int, int]:
@@ -60,18 +154,18 @@ def init_from_env(backend: str, timeout_s: float, device=None) -> tuple[int, int
     """Join the process group described by the environment; returns (rank, world_size).
 
     Under plain `python` there is no torchrun to set MASTER_ADDR/MASTER_PORT, so we make
-    a world of one on a free local port.
+    a world of one on a free local port. The store listens on MASTER_ADDR only (env_store).
     """
     rank, _, world_size, _ = env_world()
     if "MASTER_ADDR" not in os.environ:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_ADDR"] = LOOPBACK
         os.environ["MASTER_PORT"] = str(free_port())
     kwargs = {}
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device  # lets NCCL set up its communicator eagerly
     try:
-        dist.init_process_group(backend=backend, init_method="env://", rank=rank,
-                                world_size=world_size,
+        store = env_store(rank, world_size, timeout_s)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     except Exception as exc:  # e.g. DistStoreError: the other ranks never arrived
         fail(f"rank {rank} could not join the process group of {world_size} at "
@@ -105,14 +199,124 @@ def world_rows(local_rank: int, device, backend: str) -> list[list]:
 WORLD_COLUMNS = ["rank", "local rank", "host", "pid", "device", "backend"]
 
 
+# --- nobody outlives the job -----------------------------------------------------------
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Linux: the kernel sends `sig` to this process when its parent dies. Nothing elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def die_with_parent() -> None:
+    """Call first thing in a rank: if its parent (mp.spawn's parent, torchrun's agent) is
+    killed, even with SIGKILL, the kernel kills this rank too, so it never trains on alone
+    and writes files after its job has been stopped."""
+    set_parent_death_signal(signal.SIGKILL)
+    expected = os.environ.get(PARENT_ENV)
+    # the parent may have died before prctl took effect: then we are an orphan already
+    if os.getppid() == 1 or (expected and expected.isdigit() and mp.parent_process() is not None
+                             and os.getppid() != int(expected)):
+        os._exit(1)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, turned into an exception like Ctrl-C's, so cleanup runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Inside: SIGTERM and SIGHUP raise Stopped (a KeyboardInterrupt), as Ctrl-C does."""
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            old[sig] = signal.signal(sig, _raise_stopped)
+        except (ValueError, OSError):  # not the main thread, or no such signal here
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def signal_name(exc: KeyboardInterrupt) -> tuple[str, int]:
+    """('Ctrl-C', 130) or ('SIGTERM', 143) ...: what stopped us, and the exit code for it."""
+    if isinstance(exc, Stopped):
+        return signal.Signals(exc.signum).name, 128 + exc.signum
+    return "Ctrl-C", 130
+
+
+def stop_processes(procs, grace: float = 3.0) -> None:
+    """SIGTERM each process, wait up to `grace` seconds in all, then SIGKILL the rest."""
+    procs = [p for p in procs if p.is_alive()]
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            with contextlib.suppress(Exception):
+                p.kill()
+            p.join(timeout=5)
+
+
+@contextlib.contextmanager
+def supervise():
+    """Around mp.spawn: Ctrl-C, SIGTERM and SIGHUP stop every rank *first*, then print one
+    line and exit (130, 143, 129). With die_with_parent() in each rank, a parent killed
+    with SIGKILL takes its ranks along too."""
+    os.environ[PARENT_ENV] = str(os.getpid())
+    with stop_signals():
+        try:
+            yield
+        except KeyboardInterrupt as exc:
+            stop_processes(mp.active_children())
+            restore_terminal()
+            name, code = signal_name(exc)
+            fail(f"interrupted ({name}): every rank was stopped; nothing was saved for this run",
+                 code=code)
+
+
+def restore_terminal() -> None:
+    """Show the cursor again: a rank killed while rich drew its progress bar leaves it hidden."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            if stream.isatty():
+                stream.write("\x1b[?25h")
+                stream.flush()
+                return
+
+
+def _guarded(i: int, fn, *args) -> None:
+    die_with_parent()
+    fn(i, *args)
+
+
 def spawn(fn, args: tuple, nprocs: int) -> None:
     """mp.spawn(fn, args, nprocs, join=True), with a short message if a rank fails.
 
     mp.spawn already stops the other ranks when one fails (it terminates them), so a crash
     never leaves the job hanging; we only shorten the report to what the learner needs.
+    supervise() and die_with_parent() make sure no rank outlives a stopped parent.
     """
     try:
-        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+        with supervise():
+            mp.spawn(_guarded, args=(fn, *args), nprocs=nprocs, join=True)
     except mp.ProcessRaisedException as exc:
         # exc.msg holds the child's whole traceback; its last line is the error itself
         last = [line for line in str(exc.msg).strip().splitlines() if line.strip()][-1]
@@ -128,3 +332,18 @@ def spawn(fn, args: tuple, nprocs: int) -> None:
 
 def short_error(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def say_each(ui, message: str) -> None:
+    """Every rank's line, printed by rank 0 in rank order, each under `[rank N]`.
+
+    A barrier does not order the output of separate processes (each has its own buffers),
+    so rank 1's line could land above rank 0's heading; gathering the text to rank 0 can't.
+    """
+    lines: list = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, message)
+    from rich.markup import escape
+
+    for rank, text in enumerate(lines):
+        prefix = f"[cyan]{escape(f'[rank {rank}]')}[/cyan] " if len(lines) > 1 else ""
+        ui.print(prefix + text)

@@ -2,17 +2,29 @@
 
 Both are written atomically: first to a temporary file in the same folder, then renamed.
 A rename within one file system is atomic, so a reader (or a crash) never sees half a file.
+metrics.json is written last and names the sha256 of the final.pt it belongs to, so a
+final.pt from one run next to a metrics.json from another is detectable (`matching_pair`).
+A job first claims its folder (`claim_out`): a lock held until the process ends, so a
+second job on the same --out stops at once instead of mixing files with the first.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from common.cli import ROOT
+from common.cli import ROOT, fail
+
+LOCK_NAME = ".lock"
+LOCK_ENV = "LESSON_OUT_LOCKED"  # a launcher that holds the lock tells its ranks so
+_held: dict[str, int] = {}  # folder -> fd of the lock this process holds (until it exits)
 
 
 def out_dir(lesson: str, out: Path | None) -> Path:
@@ -20,8 +32,82 @@ def out_dir(lesson: str, out: Path | None) -> Path:
     return Path(out) if out is not None else ROOT / "runs" / f"lesson-{lesson}"
 
 
+def check_out(folder: Path) -> Path:
+    """Create the output folder now, or one clear line: a file in the way, no permission,
+    a name too long. Found at start-up, not after training."""
+    folder = Path(folder)
+    what = f"--out {folder}"
+    for part in folder.parts:
+        if len(part.encode()) > 255:
+            fail(f"{what}: the name {part[:20]}... is longer than 255 bytes; use a shorter one")
+    if len(os.fsencode(folder.resolve())) > 4000:
+        fail(f"{what}: the path is too long; use a shorter one")
+    if folder.exists() and not folder.is_dir():
+        fail(f"{what} is a file, not a folder; pass a folder (it is created if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        fail(f"{what}: a file is in the way of that folder; pass another --out")
+    except OSError as exc:
+        fail(f"{what} cannot be created ({exc.strerror}); pass a folder you can write to")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        fail(f"{what} is not writable; pass a folder you can write to")
+    return folder
+
+
+def claim_out(folder: Path) -> Path:
+    """check_out, then take the folder's lock for as long as this process lives.
+
+    flock is released by the kernel when the process dies however it dies, so a lock is
+    never left stale; a second job that finds it held fails with one line naming the owner.
+    """
+    folder = check_out(folder)
+    key = str(folder.resolve())
+    if key in _held or os.environ.get(LOCK_ENV) == key:
+        return folder  # ours already, or held for us by the launcher that started us
+    path = folder / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        fail(f"--out {folder}: cannot create {path.name} ({exc.strerror}); pass a folder you can write to")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        fail(f"--out {folder} is in use by another job (pid {owner}); wait for it to finish, "
+             f"or pass another --out")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[key] = fd
+    return folder
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_strays(folder: Path, name: str, older_than_s: float = 0.0) -> list[Path]:
+    """Delete temporary files `.name.*.tmp` that a killed write left behind."""
+    gone = []
+    for stray in Path(folder).glob(f".{name}.*.tmp"):
+        try:
+            if time.time() - stray.stat().st_mtime >= older_than_s:
+                stray.unlink()
+                gone.append(stray)
+        except FileNotFoundError:
+            pass
+    return gone
+
+
 def atomic_write(path: Path, write) -> None:
-    """Call write(file_object) on a temporary file, then rename it over `path`."""
+    """Call write(file_object) on a temporary file, then rename it over `path`.
+
+    The file gets the usual mode (0644 with the usual umask), not mkstemp's 0600. A full
+    disk or another OS error is one clear line, not a traceback.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -30,10 +116,15 @@ def atomic_write(path: Path, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+                                                      errno.EACCES, errno.EIO):
+            fail(f"could not write {path} ({exc.strerror}); free some space or pass another "
+                 f"--out (nothing was left half-written)", code=1)
         raise
 
 
@@ -45,10 +136,33 @@ def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def save_results(folder: Path, state_dict: dict[str, torch.Tensor], metrics: dict) -> None:
+    """final.pt, then metrics.json naming final.pt's sha256: a pair from one run, or a
+    detectable mismatch if a kill fell between the two renames."""
+    folder = Path(folder)
+    for name in ("final.pt", "metrics.json"):
+        remove_strays(folder, name)
     atomic_write(folder / "final.pt", lambda f: torch.save(state_dict, f))
+    metrics = {**metrics, "final_pt_sha256": sha256(folder / "final.pt")}
     text = json.dumps(metrics, indent=2) + "\n"
     atomic_write(folder / "metrics.json", lambda f: f.write(text.encode()))
+
+
+def matching_pair(folder: Path) -> bool:
+    """True when metrics.json belongs to the final.pt next to it (same run)."""
+    try:
+        metrics = json.loads((Path(folder) / "metrics.json").read_text())
+        return metrics.get("final_pt_sha256") == sha256(Path(folder) / "final.pt")
+    except (OSError, ValueError):
+        return False
 
 
 def make_metrics(*, lesson: str, world_size: int, backend: str, device: str,
@@ -66,6 +180,28 @@ def make_metrics(*, lesson: str, world_size: int, backend: str, device: str,
         "samples_per_second": round(samples / wall_seconds, 1) if wall_seconds > 0 else None,
         **extra,
     }
+
+
+def timed_single_process(seed: int, epochs: int, data, device, threads: int):
+    """Lesson 01's loop (recipe) in this process with `threads` CPU threads: (weights,
+    samples/s). Lesson 05 compares its ranks with it: the same cores, the same work."""
+    from common import recipe
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        # warm up first (the first forward/backward allocates and initialises), as the
+        # ranks did in their Step 5, so that neither side pays it inside the timing
+        x, y = data.train.tensors
+        model = recipe.make_model(seed, data.in_features, data.classes).to(device)
+        torch.nn.functional.cross_entropy(model(x[:recipe.GLOBAL_BATCH].to(device)),
+                                          y[:recipe.GLOBAL_BATCH].to(device)).backward()
+        start = time.perf_counter()
+        weights = recipe._train_reference(seed, epochs, data, device)  # noqa: SLF001
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(old)
+    return weights, epochs * len(data.train) / max(seconds, 1e-9)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -8,13 +8,13 @@ nodes, or on real machines; and under plain `python` it is a world of one.
 
 Run:
     make lesson-06     # two torchrun agents on 127.0.0.1, 2 workers each = 4 ranks
-    python -m common.nodes --nnodes 2 --nproc-per-node 2 -- lessons/06_torchrun_multinode.py
-    torchrun --standalone --nproc-per-node 3 lessons/06_torchrun_multinode.py
-    python lessons/06_torchrun_multinode.py        # a world of one
+    .venv/bin/python -m common.nodes --nnodes 2 --nproc-per-node 2 -- lessons/06_torchrun_multinode.py
+    .venv/bin/torchrun --standalone --nproc-per-node 3 lessons/06_torchrun_multinode.py
+    .venv/bin/python lessons/06_torchrun_multinode.py        # a world of one
 
     On two real machines (A is 10.0.0.1), see the doc for firewall and interface notes:
-    A$ torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29500 lessons/06_torchrun_multinode.py
-    B$ torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29500 lessons/06_torchrun_multinode.py
+    A$ .venv/bin/torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29500 lessons/06_torchrun_multinode.py
+    B$ .venv/bin/torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29500 lessons/06_torchrun_multinode.py
 
 Doc: docs/06_torchrun_multinode.md
 """
@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
-from common.distributed import free_port
-from common.results import make_metrics, max_abs_diff, out_dir, save_results, shown
+from common.distributed import die_with_parent, env_store, free_port
+from common.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
 from common.ui import UI, Timer
 
 
@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--crash-at-step", type=nonnegative_int, default=3,
                         help="the training step at which --crash-rank fails")
     args = parser.parse_args()
+    die_with_parent()  # if our torchrun agent is killed (even kill -9), we go too
 
     # Step 1: Read who we are from the environment
     # torchrun sets these for every worker. (The old torch.distributed.launch passed
@@ -77,10 +78,13 @@ def main() -> None:
              f"use one of {', '.join(map(str, sizes))} workers in total")
     ui.print(f"MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']} "
              f"WORLD_SIZE={world_size} LOCAL_WORLD_SIZE={local_world_size}")
+    if rank == 0:
+        folder = claim_out(out_dir("06", args.out))  # checked now, not after training
 
     # Step 2: Join the process group
-    # Same call as lesson 05, but rank and world size now come from the environment, which
-    # is what init_method="env://" reads. One GPU per local rank: cuda:<LOCAL_RANK>.
+    # Same call as lesson 05, but rank, world size and the store's address now come from
+    # the environment. env_store makes the store init_method="env://" would make (torchrun's
+    # agent hosts it, or rank 0 does), bound to MASTER_ADDR only. One GPU per local rank.
     ui.step(2, "Join the process group")
     kind, note = plan_device(args.device, local_world_size)
     if note:
@@ -90,9 +94,10 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     share_cpu(local_world_size)
-    dist.init_process_group(backend=backend, init_method="env://", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    dist.init_process_group(backend=backend, store=env_store(rank, world_size, args.timeout),
+                            rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)
 
     # Step 3: See which rank lives on which node
     # Global rank = node_rank * nproc_per_node + local_rank with static rendezvous. Every
@@ -117,24 +122,27 @@ def main() -> None:
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = recipe.make_optimizer(ddp_model)
     losses: list[float] = []
+    pending: list[torch.Tensor] = []  # losses since the last log, still on the device (lesson 05)
     steps = args.epochs * len(loader)
     timer = Timer()
     with ui.progress(steps, f"training on {world_size} ranks") as bar:
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             for x, y in loader:
-                if rank == args.crash_rank and len(losses) == args.crash_at_step:
+                if rank == args.crash_rank and len(losses) + len(pending) == args.crash_at_step:
                     raise RuntimeError(f"deliberate crash of rank {rank} (--crash-rank)")
                 x, y = x.to(device), y.to(device)
                 loss = F.cross_entropy(ddp_model(x), y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                global_loss = loss.detach().clone()
-                dist.all_reduce(global_loss)
-                losses.append(global_loss.item() / world_size)
+                pending.append(loss.detach())
                 bar.advance()
-                if len(losses) % len(loader) == 0:
+                if (len(losses) + len(pending)) % len(loader) == 0:  # once per epoch
+                    chunk = torch.stack(pending)
+                    dist.all_reduce(chunk)
+                    losses += (chunk / world_size).tolist()
+                    pending = []
                     ui.log(epoch + 1, len(losses), steps, losses[-1],
                            timer.rate(len(losses) * recipe.GLOBAL_BATCH))
     wall = timer.seconds
@@ -144,7 +152,6 @@ def main() -> None:
     # their own disks: a path that exists on node 0 may not exist on node 1.
     ui.step(5, "Save on rank 0 and compare with one device")
     if rank == 0:
-        folder = out_dir("06", args.out)
         weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         diff = max_abs_diff(weights, recipe.train_reference(args.seed, args.epochs, data))
         accuracy = recipe.accuracy(model, data.test, device)

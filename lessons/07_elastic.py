@@ -14,9 +14,9 @@ one resume. Pass --fail-at-step 0 for a run without a failure.
 
 Run:
     make lesson-07     # 1 node x 2 workers, c10d rendezvous, --max-restarts 3, one failure
-    python -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 -- lessons/07_elastic.py
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --max-restarts 3 lessons/07_elastic.py
-    python lessons/07_elastic.py --fail-at-step 0   # a world of one, no agent: nothing restarts it
+    .venv/bin/python -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 -- lessons/07_elastic.py
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .venv/bin/torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --max-restarts 3 lessons/07_elastic.py
+    .venv/bin/python lessons/07_elastic.py --fail-at-step 0   # a world of one, no agent: nothing restarts it
 
     Kill a worker yourself: make lesson-07 ARGS="--fail-at-step 0 --step-delay 0.2", then
     `kill -9 <pid>` with a pid from the table of Step 2.
@@ -45,9 +45,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, positive_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
-from common.distributed import free_port
-from common.results import (atomic_write, make_metrics, max_abs_diff, out_dir, plain_state_dict,
-                            save_results, shown)
+from common.checkpoint import snapshot_problem
+from common.distributed import die_with_parent, env_store, free_port
+from common.results import (atomic_write, claim_out, make_metrics, max_abs_diff, out_dir,
+                            plain_state_dict, remove_strays, save_results, shown)
 from common.ui import UI, Timer
 
 SNAPSHOT_FORMAT = 1  # bump when the snapshot's contents change: old snapshots are then refused
@@ -80,6 +81,7 @@ def main() -> None:
                         help="on the first attempt, delete a snapshot left by an earlier, "
                              "interrupted job instead of resuming from it")
     args = parser.parse_args()
+    die_with_parent()  # if our torchrun agent is killed (even kill -9), we go too
 
     # Step 1: Read who we are and which attempt this is
     # Lesson 06's variables, plus the ones the elastic agent adds. TORCHELASTIC_RESTART_COUNT
@@ -108,6 +110,7 @@ def main() -> None:
         fail(f"--fail-rank {fail_rank} does not exist in a world of {world_size} (ranks 0..{world_size - 1})")
     ui.print(f"TORCHELASTIC_RESTART_COUNT={restart_count} TORCHELASTIC_MAX_RESTARTS={max_restarts} "
              f"WORLD_SIZE={world_size} TORCHELASTIC_RUN_ID={os.environ.get('TORCHELASTIC_RUN_ID', '-')}")
+    folder = claim_out(out_dir("07", args.out)) if rank == 0 else out_dir("07", args.out)
     if max_restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # measured here: without it, about half of the restarts failed to connect (see the doc)
         ui.print("[yellow]note:[/yellow] torchrun lends its store to every attempt, so a restarted "
@@ -117,6 +120,7 @@ def main() -> None:
     # Step 2: Join the process group
     # As in lesson 06. Every attempt joins a *new* process group: the old one died with the
     # old processes. The pids change at every attempt; `kill -9` one to see a restart.
+    # (With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 rank 0 hosts this attempt's store.)
     ui.step(2, "Join the process group")
     kind, note = plan_device(args.device, local_world_size)
     if note:
@@ -126,8 +130,10 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     share_cpu(local_world_size)
-    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    dist.init_process_group(backend=backend, store=env_store(rank, world_size, args.timeout),
+                            rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, [rank, local_rank, socket.gethostname(), os.getpid(), str(device)])
     ui.table(f"Workers of attempt {restart_count + 1}", ["rank", "local rank", "host", "pid", "device"],
@@ -142,7 +148,6 @@ def main() -> None:
     # job comes back with another world size. Only tensors, numbers, strings, lists and
     # dicts: that is what torch.load(weights_only=True) accepts.
     ui.step(3, "Decide what a snapshot holds")
-    folder = out_dir("07", args.out)
     snapshot_path = folder / "snapshot.pt"
     data = recipe.load_data(args.dataset, args.data_dir, args.download)
     per_rank = recipe.GLOBAL_BATCH // world_size
@@ -182,50 +187,45 @@ def main() -> None:
              f"model, optimizer, epoch, step, seed, losses, sample ids")
 
     # Step 4: Resume from the last snapshot, if there is one
-    # Rank 0 tidies up first (stray temporary files from a save that was cut short; the old
-    # snapshot if --fresh on the first attempt); the barrier keeps the others from reading
-    # meanwhile. Then every rank loads the same file: on real machines it must be on storage
-    # that every node can read. weights_only=True refuses anything but plain data: a snapshot
-    # is a file on disk, and unpickling arbitrary objects would run arbitrary code.
+    # Rank 0 decides, alone: it tidies up (stray temporary files from a save that was cut
+    # short; the old snapshot if --fresh on the first attempt), reads and checks the
+    # snapshot, and broadcasts it (or the reason to refuse it) to every rank. Ranks that each
+    # looked for the file themselves could disagree (no shared disk, or a file that appears
+    # between two looks) and then wait for each other forever. Rank 0 of the next attempt
+    # may be on another machine, so on real machines --out must be on shared storage.
+    # weights_only=True refuses anything but plain data: unpickling arbitrary objects from
+    # a file on disk would run arbitrary code.
     ui.step(4, "Resume from the last snapshot, if there is one")
+    decision: list = [None]  # rank 0 fills it in: None (start at 0), a snapshot, or an error
     if rank == 0:
-        for stray in folder.glob(f".{snapshot_path.name}.*.tmp"):
-            stray.unlink(missing_ok=True)
+        for stray in remove_strays(folder, snapshot_path.name):
             ui.print(f"deleted {shown(stray)}: a save that was cut short (snapshot.pt is intact)")
         if args.fresh and restart_count == 0 and snapshot_path.exists():
             snapshot_path.unlink()
             ui.print(f"--fresh: deleted {shown(snapshot_path)} left by an earlier job")
-    dist.barrier()
+        if snapshot_path.exists():
+            try:
+                snap = torch.load(snapshot_path, map_location="cpu", weights_only=True)
+                problem = snapshot_problem(snap, snapshot(0), {
+                    "format": SNAPSHOT_FORMAT, "seed": args.seed, "dataset": data.name,
+                    "global_batch": recipe.GLOBAL_BATCH, "steps_per_epoch": steps_per_epoch},
+                    total_steps, f"--epochs {args.epochs}")
+                if not problem:  # the optimizer's state must fit too: try it here, on rank 0
+                    optimizer.load_state_dict(snap["optimizer"])
+            except Exception as exc:  # truncated, not a torch file, objects weights_only refuses
+                problem = f"cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
+            decision = [f"snapshot {shown(snapshot_path)} {problem}; delete it or pass --fresh "
+                        f"to start over" if problem else snap]
+    dist.broadcast_object_list(decision, src=0)
     start_step = 0
-    if snapshot_path.exists():
-        def refuse(why: str) -> None:
-            fail(f"snapshot {shown(snapshot_path)} {why}; delete it or pass --fresh to start over",
-                 code=1)
-
-        def brief(exc: Exception) -> str:  # an exception on one short line
-            return f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
-
-        try:
-            snap = torch.load(snapshot_path, map_location=device, weights_only=True)
-        except Exception as exc:  # truncated, not a torch file, or objects weights_only refuses
-            refuse(f"cannot be read ({brief(exc)})")
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
-            refuse(f"is not a lesson-07 snapshot of format {SNAPSHOT_FORMAT}")
-        missing = sorted(set(snapshot(0)) - set(snap))  # keys a snapshot of ours would have
-        if missing:
-            refuse(f"lacks {', '.join(missing)}")
-        for key, ours in (("seed", args.seed), ("dataset", data.name),
-                          ("global_batch", recipe.GLOBAL_BATCH)):
-            if snap.get(key) != ours:
-                refuse(f"was made with {key} {snap.get(key)!r}, this run uses {ours!r}")
-        if snap["global_step"] > total_steps:
-            refuse(f"is at step {snap['global_step']}, beyond this run's {total_steps} steps "
-                   f"(--epochs {args.epochs})")
-        try:
-            model.load_state_dict(snap["model"])
-            optimizer.load_state_dict(snap["optimizer"])
-        except (RuntimeError, KeyError, ValueError) as exc:
-            refuse(f"does not fit this model ({brief(exc)})")
+    if isinstance(decision[0], str):
+        if rank == 0:
+            fail(decision[0], code=1)
+        raise SystemExit(1)  # rank 0 has said why
+    if decision[0] is not None:
+        snap = decision[0]
+        model.load_state_dict(snap["model"])
+        optimizer.load_state_dict(snap["optimizer"])
         start_step = snap["global_step"]
         losses = list(snap["losses"])
         ledger = list(snap["samples"].cpu())
@@ -243,7 +243,8 @@ def main() -> None:
     # Lesson 06's DDP loop, with three additions. (1) Mid-epoch resume: the epoch's order
     # comes from the sampler exactly as before (set_epoch), and we drop the batches the
     # snapshot already holds, so no sample is seen twice or skipped. (2) Every
-    # --snapshot-every steps rank 0 saves. (3) On the first attempt one rank dies abruptly.
+    # --snapshot-every steps the losses and sample ids kept on the device are gathered (one
+    # host sync, as lesson 05 logs) and rank 0 saves. (3) On the first attempt one rank dies.
     ui.step(5, "Train from where the snapshot left off")
     fail_at = fail_step if restart_count == 0 else 0  # a failure on the first attempt only
     if fail_at and not launched:
@@ -256,6 +257,7 @@ def main() -> None:
     sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank,
                                  shuffle=True, seed=args.seed)
     global_step = start_step
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, sample ids) per step, on device
     timer = Timer()
     with ui.progress(total_steps, f"training on {world_size} ranks") as bar:
         bar.advance(start_step)
@@ -277,15 +279,19 @@ def main() -> None:
                 loss.backward()
                 optimizer.step()
                 global_step += 1
-                # bookkeeping for the proof only: which samples went into this step, all ranks
-                ids = torch.tensor(my_ids[b * per_rank:(b + 1) * per_rank], device=device)
-                step_ids = torch.empty(recipe.GLOBAL_BATCH, dtype=torch.long, device=device)
-                dist.all_gather_single(step_ids, ids)
-                global_loss = loss.detach().clone()
-                dist.all_reduce(global_loss)
-                losses.append(global_loss.item() / world_size)
-                ledger.append(step_ids.cpu())
+                # bookkeeping for the proof only: which samples went into this step
+                pending.append((loss.detach(), torch.tensor(my_ids[b * per_rank:(b + 1) * per_rank])))
                 bar.advance()
+                if global_step % args.snapshot_every == 0 or global_step == total_steps:
+                    step_ids = torch.empty(len(pending) * recipe.GLOBAL_BATCH, dtype=torch.long,
+                                           device=device)  # every rank's ids of these steps
+                    dist.all_gather_single(step_ids, torch.cat([i for _, i in pending]).to(device))
+                    step_ids = step_ids.view(world_size, len(pending), per_rank).transpose(0, 1)
+                    ledger += list(step_ids.reshape(len(pending), recipe.GLOBAL_BATCH).cpu())
+                    chunk = torch.stack([l for l, _ in pending])
+                    dist.all_reduce(chunk)
+                    losses += (chunk / world_size).tolist()
+                    pending = []
                 if global_step % args.snapshot_every == 0 and rank == 0:
                     save_snapshot(global_step)
                     rate = timer.rate((global_step - start_step) * recipe.GLOBAL_BATCH)
