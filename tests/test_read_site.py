@@ -164,7 +164,8 @@ def copy_repo_subset(dest: Path) -> None:
         shutil.copy(ROOT / "docs" / name, dest / "docs")
 
 
-def test_a_child_lesson_links_its_parent_diff(tmp_path):
+def build_with_a_child_lesson(tmp_path: Path):
+    """A copy of lesson 01 and a lesson 13 that names it as its parent, built into a site."""
     copy_repo_subset(tmp_path)
     text = (tmp_path / "lessons" / "01_single_device.py").read_text()
     child = text.replace("Doc: docs/01_single_device.md",
@@ -173,7 +174,11 @@ def test_a_child_lesson_links_its_parent_diff(tmp_path):
     (tmp_path / "lessons" / "13_child.py").write_text(child)
     for doc in ("docs/01_single_device.md", "docs/zh/01_single_device.md"):
         shutil.copy(tmp_path / doc, tmp_path / doc.replace("01_single_device", "13_child"))
-    site = read_site.build(tmp_path)
+    return read_site.build(tmp_path)
+
+
+def test_a_child_lesson_links_its_parent_diff(tmp_path):
+    site = build_with_a_child_lesson(tmp_path)
     page = (site.out / "13_child.html").read_text()
     assert 'href="13_child.diff.html"' in page and 'rel="prev" href="01_single_device.html"' in page
     diff = (site.out / "13_child.diff.html").read_text()
@@ -232,9 +237,16 @@ class Chromium:
     def __init__(self, binary: str, profile: Path):
         import queue
         import threading
+        import fcntl
         to_r, self._to_w = os.pipe()
         self._from_r, from_w = os.pipe()
-        # bash moves our pipe ends to the fds Chromium expects, then becomes Chromium
+        # bash moves Chromium's pipe ends to fds 3 and 4, then becomes Chromium; first lift
+        # them above 9, so that neither is 3 or 4 already (closing it would close fd 3 or 4)
+        def lift(fd: int) -> int:
+            high = fcntl.fcntl(fd, fcntl.F_DUPFD, 10)
+            os.close(fd)
+            return high
+        to_r, from_w = lift(to_r), lift(from_w)
         script = f'exec "$0" "$@" 3<&{to_r} 4>&{from_w} {to_r}<&- {from_w}>&-'
         self.log = open(profile / "chromium.log", "wb")
         self.proc = subprocess.Popen(["bash", "-c", script, binary, *FLAGS, f"--user-data-dir={profile}"],
@@ -396,7 +408,7 @@ def inspect(browser: Chromium, page: Path, phone: bool = False) -> list[str]:
     """Everything wrong with one page, as seen in the browser."""
     browser.open(page.as_uri())
     seen = browser.eval(INSPECT)
-    name = str(page.relative_to(SITE))
+    name = str(page.relative_to(SITE)) if SITE in page.parents else page.name
     problems = [f"{name}: console: {e}" for e in browser.errors()]
     problems += [f"{name}: a code block is cut off: {text!r}" for text in seen["cut"]]
     if seen["wideLessonCode"]:
@@ -431,6 +443,15 @@ def test_lesson_pages_at_phone_width_stack_doc_and_code(browser):
              *(SITE / f"{lesson.stem}.html" for lesson in LESSONS), SITE / "zh" / f"{LESSONS[-1].stem}.html"]
     problems = [p for page in pages for p in inspect(browser, page, phone=True)]
     assert not problems, "\n".join(problems[:30])
+
+
+def test_a_parent_diff_page_in_chromium(browser, tmp_path):
+    site = build_with_a_child_lesson(tmp_path)
+    for size, phone in ((LAPTOP, False), (PHONE, True)):
+        browser.viewport(size)
+        for page in ("13_child.html", "13_child.diff.html", "zh/13_child.diff.html"):
+            problems = inspect(browser, site.out / page, phone)
+            assert not problems, "\n".join(problems)
 
 
 def test_language_switch_lands_on_the_same_lesson(browser):
