@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import html
 import os
+import posixpath
 import re
 import shutil
 import sys
@@ -252,7 +253,7 @@ def slug(text: str) -> str:
 
 class Site:
     def __init__(self, root: Path, out: Path):
-        self.root, self.out = root, out
+        self.root, self.out = root.resolve(), out.resolve()
         self.warnings: list[str] = []
         self.lessons = find_lessons(root, self.warnings)
         self.by_number = {l.number: l for l in self.lessons}
@@ -266,8 +267,8 @@ class Site:
         pages = {}
         for lesson in self.lessons:
             pages[lesson.docs["en"]] = lesson.page
-            if lesson.translated["zh"]:
-                pages[lesson.docs["zh"]] = "zh/" + lesson.page
+            # the Chinese page exists even before its doc does (it shows the English one)
+            pages[self.root / "docs" / "zh" / lesson.docs["en"].name] = "zh/" + lesson.page
         for doc in sorted((self.root / "docs").glob("*.md")):
             if not re.match(r"\d\d_", doc.name):
                 pages[doc] = doc.stem.lower() + ".html"
@@ -278,16 +279,16 @@ class Site:
         pages[self.root / "README.zh.md"] = "zh/index.html"
         pages[self.root / "docs"] = "index.html"
         pages[self.root / "docs" / "zh"] = "zh/index.html"
-        return pages
+        return {doc.resolve(): page for doc, page in pages.items()}
 
-    def read_glossary(self) -> dict[str, str]:
-        path = self.root / "docs" / "GLOSSARY.md"
-        if not path.exists():
-            return {}
-        meaning = {}
-        for m in re.finditer(r'^\| <a id="([\w-]+)"></a>\*\*(.+?)\*\* \| (.+?) \|', path.read_text(), re.M):
-            meaning[m[1]] = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", m[3])
-        return meaning
+    def read_glossary(self) -> dict[Path, dict[str, str]]:
+        """Each glossary (English, Chinese): its terms' meanings as plain text, by anchor."""
+        found = {}
+        for path in (self.root / "docs" / "GLOSSARY.md", self.root / "docs" / "zh" / "GLOSSARY.md"):
+            if path.exists():
+                rows = re.finditer(r'^\| <a id="([\w-]+)"></a>\*\*(.+?)\*\* \| (.+?) \|', path.read_text(), re.M)
+                found[path.resolve()] = {m[1]: re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", m[3]) for m in rows}
+        return found
 
     def link(self, href: str, source: Path, page: str) -> tuple[str, str | None]:
         """Where a link written in `source` (a repo file) points from site page `page`;
@@ -300,9 +301,9 @@ class Site:
         up = "../" * page.count("/")
         title = None
         if target.name == "GLOSSARY.md" and parts.fragment:
-            title = self.glossary.get(parts.fragment)
+            title = self.glossary.get(target, {}).get(parts.fragment)
         if target in self.pages:
-            return up + self.pages[target] + frag, title
+            return posixpath.relpath(self.pages[target], posixpath.dirname(page) or ".") + frag, title
         if not target.exists():
             self.warnings.append(f"{source.relative_to(self.root)}: the link {href!r} points to no file")
             return href, None
@@ -549,16 +550,20 @@ class Site:
         files["pygments.css"] = HtmlFormatter(style="default").get_style_defs(".hl")
         tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        for name, text in files.items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / name).write_text(text)
-        docs = self.root / "docs"
-        for image in self.copied:
-            rel = image.relative_to(docs)
-            if rel.parts[0] == "zh":
-                rel = rel.relative_to("zh")
-            (tmp / "files" / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(image, tmp / "files" / rel)
+        try:
+            for name, text in files.items():
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / name).write_text(text)
+            docs = self.root / "docs"
+            for image in self.copied:
+                rel = image.relative_to(docs)
+                if rel.parts[0] == "zh":
+                    rel = rel.relative_to("zh")
+                (tmp / "files" / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(image, tmp / "files" / rel)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+            raise
         # swap the new site in; keep screenshots a test wrote there
         old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
         if (self.out / "screenshots").is_dir():
@@ -596,7 +601,7 @@ def main(argv: list[str]) -> None:
         site = build()
     except SiteError as exc:
         fail(str(exc), code=1)
-    for warning in site.warnings:
+    for warning in dict.fromkeys(site.warnings):  # each once
         print(f"warning: {warning}", file=sys.stderr)
     index = site.out / "index.html"
     rel = site.out.relative_to(ROOT)
