@@ -78,12 +78,6 @@ class SiteError(Exception):
 # ----------------------------------------------------------------------------- reading
 
 @dataclass
-class CodePart:
-    first: int          # 1-based line number of the first line shown
-    lines: list[str]    # highlighted HTML, one entry per source line
-
-
-@dataclass
 class Lesson:
     number: str
     path: Path
@@ -135,7 +129,8 @@ def split_code(lesson: Lesson) -> None:
     marks = [(i, int(m[2]), m[3], len(m[1])) for i, line in enumerate(lines)
              if (m := CODE_STEP.match(line))]
     lesson.steps = [(n, title) for _, n, title, _ in marks]
-    if not marks:
+    if not marks:  # no steps (check_steps says so): the whole file above the doc
+        lesson.prologue, lesson.epilogue = (0, len(lines)), (len(lines), len(lines))
         return
     lesson.prologue = (0, marks[0][0])
     ends = {}
@@ -216,21 +211,22 @@ def check_steps(root: Path, lesson: Lesson) -> None:
             if n not in numbers:
                 raise SiteError(f"lesson {lesson.number}: {src} has Step {n} ({code_title[n]}) but "
                                 f"{rel} has no '## Step {n}' section; add it to the doc or remove it from the code")
-        if numbers != sorted(numbers) or len(set(numbers)) != len(numbers):
+        if code != sorted(set(code)):
+            raise SiteError(f"lesson {lesson.number}: the steps of {src} are not in order "
+                            f"({', '.join(map(str, code))}); number them 1, 2, 3, ...")
+        if numbers != sorted(set(numbers)):
             raise SiteError(f"lesson {lesson.number}: the steps of {rel} are not in order "
                             f"({', '.join(map(str, numbers))}); number them 1, 2, 3, ... as in {src}")
 
 
 def teaching_table(path: Path) -> dict[str, list[str]]:
-    """The cells of the lesson-order table, by lesson: the rows whose first cell links a lesson."""
+    """The cells of the lesson-order table(s), by lesson: the rows whose first cell links a lesson."""
     rows: dict[str, list[str]] = {}
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
         m = re.match(r"\[(\d\d)\]\(", cells[0]) if cells else None
-        if m:
+        if m and m[1] not in rows:  # any table of the guide (Part 1, Part 2, ...); first row wins
             rows[m[1]] = cells
-        elif rows:  # the first such table only
-            break
     return rows
 
 
@@ -376,9 +372,11 @@ class Site:
              nav_extra: str = "") -> str:
         w = WORDS[lang]
         up = "../" * page.count("/")
-        home = up + ("zh/" if lang == "zh" else "") + "index.html"
-        glossary = up + self.pages.get(self.root / "docs" / "zh" / "GLOSSARY.md" if lang == "zh"
-                                       else self.root / "docs" / "GLOSSARY.md", "glossary.html")
+        here = posixpath.dirname(page) or "."
+        home = posixpath.relpath(("zh/" if lang == "zh" else "") + "index.html", here)
+        glossary = posixpath.relpath(self.pages.get(self.root / "docs" / "zh" / "GLOSSARY.md" if lang == "zh"
+                                                    else self.root / "docs" / "GLOSSARY.md",
+                                                    ("zh/" if lang == "zh" else "") + "glossary.html"), here)
         switch = (f'<a class="lang" hreflang="{"en" if lang == "zh" else "zh"}" href="{other}">{w["other"]}</a>'
                   if other else "")
         return f"""<!doctype html>
@@ -446,8 +444,10 @@ class Site:
         rows.append(f'<section class="after">{self.markdown(after, source, page)}{navline}</section>')
         title = re.sub(r"^#\s*", "", source.read_text().splitlines()[0])
         title = re.sub(r"[`*]", "", title)
+        short = " ".join(a.replace(w["prev"] + " ", "").replace(w["next"] + " ", "")
+                         for a in nav if 'rel="' in a)  # ← 04  06 → in the top bar
         return self.page(lang, page, title, "\n".join(rows), self.other_lang(page, lang) if lang == "en"
-                         else "../" + lesson.page, nav_extra="")
+                         else "../" + lesson.page, nav_extra=short)
 
     def diff_page(self, lesson: Lesson, lang: str) -> str:
         w = WORDS[lang]
