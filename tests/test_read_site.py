@@ -95,7 +95,7 @@ def broken_link(page: Path, href: str) -> str | None:
     return None
 
 
-def test_every_link_of_every_page_resolves(built):
+def test_every_link_of_every_page_resolves_and_ids_are_unique(built):
     pages = sorted(SITE.rglob("*.html"))
     assert len(pages) >= 2 * len(LESSONS) + 4
     broken = []
@@ -104,6 +104,8 @@ def test_every_link_of_every_page_resolves(built):
         parser.feed(page.read_text())
         broken += [f"{page.relative_to(SITE)}: {why}" for href in parser.found
                    if (why := broken_link(page, href))]
+        ids = re.findall(r'\bid="([^"]+)"', page.read_text())
+        broken += [f"{page.relative_to(SITE)}: id {i!r} twice" for i in sorted(set(ids)) if ids.count(i) > 1]
     assert not broken, "\n".join(broken[:20])
 
 

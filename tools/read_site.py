@@ -314,10 +314,12 @@ class Site:
         rel = os.path.relpath(target, self.out / page.rsplit("/", 1)[0] if "/" in page else self.out)
         return quote(rel) + ("/" if target.is_dir() else "") + frag, None
 
-    def markdown(self, text: str, source: Path, page: str) -> str:
+    def markdown(self, text: str, source: Path, page: str, used: set[str] | None = None) -> str:
+        """Markdown to HTML: links mapped into the site, headings given ids (unique within
+        `used`: one set for all the pieces of one page), fenced code highlighted."""
         md = MarkdownIt("commonmark", {"html": True, "highlight": self.highlight_fence}).enable("table")
         tokens = md.parse(text)
-        used: set[str] = set()
+        used = set() if used is None else used
         for i, tok in enumerate(tokens):
             if tok.type == "heading_open":
                 inline = tokens[i + 1]
@@ -429,19 +431,20 @@ class Site:
         nav.append(f'<a class="src" href="{src_href}">{w["source"]}: {rel}</a>')
         navline = '<p class="lessonnav">' + " ".join(nav) + "</p>"
         note = "" if lesson.translated[lang] else f'<p class="note">{w["untranslated"]}</p>'
-        rows = [f'<section class="row intro"><div class="doc">{note}{self.markdown(intro, source, page)}'
+        ids = {f"step-{n}" for n, _, _ in steps}
+        rows = [f'<section class="row intro"><div class="doc">{note}{self.markdown(intro, source, page, ids)}'
                 f'{navline}</div><div class="code">'
                 f'{self.code_block(lesson, lines, *lesson.prologue, w["before"])}</div></section>']
         for n, title, body in steps:
             code = self.code_block(lesson, lines, *lesson.ranges[n], w["step_code"].format(n=n))
             rows.append(f'<section class="row step" id="step-{n}" data-step="{n}">'
-                        f'<div class="doc">{self.markdown(body, source, page)}</div>'
+                        f'<div class="doc">{self.markdown(body, source, page, ids)}</div>'
                         f'<div class="code">{code}</div></section>')
         tail = self.code_block(lesson, lines, *lesson.epilogue, w["after"])
         if tail:
             rows.append(f'<section class="row epilogue"><div class="doc"><h2>{w["after"]}</h2>'
                         f'<p>{w["after_note"]}</p></div><div class="code">{tail}</div></section>')
-        rows.append(f'<section class="after">{self.markdown(after, source, page)}{navline}</section>')
+        rows.append(f'<section class="after">{self.markdown(after, source, page, ids)}{navline}</section>')
         title = re.sub(r"^#\s*", "", source.read_text().splitlines()[0])
         title = re.sub(r"[`*]", "", title)
         short = " ".join(a.replace(w["prev"] + " ", "").replace(w["next"] + " ", "")
