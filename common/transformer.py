@@ -194,7 +194,7 @@ def batch(step: int, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
         P = transition_table()
         _CDF["pair"] = stationary_pairs(P).flatten().cumsum(0)
         _CDF["next"] = P.cumsum(-1)
-    g = torch.Generator().manual_seed(1_000_000 * seed + step)  # steps < 1,000,000
+    g = torch.Generator().manual_seed(seed * 2**32 + step)  # distinct for seed < 2**31, step < 2**32
     u = torch.rand(SEQ, GLOBAL_BATCH, 1, generator=g, dtype=torch.float64)  # one draw per token
     pair = torch.searchsorted(_CDF["pair"], u[0]).clamp(max=VOCAB * VOCAB - 1)[:, 0]
     tokens = [pair // VOCAB, pair % VOCAB]

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_bytes
 from common import transformer as T
-from common.cli import lesson_parser, nonnegative_int, positive_int, run
+from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import pick_device
 from common.results import make_metrics, out_dir, plain_state_dict, save_results, shown
 from common.ui import UI, Timer
@@ -35,7 +35,7 @@ def parse_args():
     parser = lesson_parser(__doc__, recipe=False)
     parser.add_argument("--steps", type=positive_int, default=T.STEPS,
                         help="optimizer steps (one global batch each)")
-    parser.add_argument("--seed", type=nonnegative_int, default=T.SEED,
+    parser.add_argument("--seed", type=seed_number, default=T.SEED,
                         help="seed for the initial weights and the batches")
     return parser.parse_args()
 

@@ -95,5 +95,6 @@ def test_steps_are_printed_in_order(lesson):
 def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
     module = import_lesson("13")
     for flags, expect in ((["--steps", "0"], "--steps"), (["--seed", "-1"], "--seed"),
-                          (["--device", "tpu"], "--device"), (["--epochs", "3"], "--epochs")):
+                          (["--seed", str(2**31)], "--seed"), (["--device", "tpu"], "--device"),
+                          (["--epochs", "3"], "--epochs")):
         assert expect in parse_error(module, flags, monkeypatch, capsys)
