@@ -479,7 +479,9 @@ def test_screenshots_at_laptop_and_phone_width(browser):
         browser.open((SITE / "index.html").as_uri())
         browser.screenshot(SHOTS / f"index-{tag}.png")
         browser.open((SITE / f"{lesson.stem}.html").as_uri())
-        top = browser.eval("document.querySelector('#step-1').getBoundingClientRect().top + scrollY")
+        # from Step 1's heading; at phone width from just above its code, under its doc
+        top = browser.eval("Math.max(...[...document.querySelectorAll('#step-1, #step-1 > .code')].map("
+                           f"(e, i) => e.getBoundingClientRect().top + scrollY - i * {size[1] // 2}))")
         browser.screenshot(SHOTS / f"{lesson.stem}-{tag}.png",
                            clip={"x": 0, "y": top - 60, "width": size[0], "height": int(size[1] * 1.6)})
         assert not browser.errors()
