@@ -132,6 +132,11 @@ def deferred_hook(state, bucket):
     value is the bucket itself; DDP reads those values only when backward has finished
     (Reducer::finalize_backward), after the last call has all-reduced every kept bucket in
     place. So the communication starts after the computation, never beside it.
+
+    The held buckets are all-reduced the way the overlapping case does it: every one
+    launched asynchronously (gloo may run several at once), then all waited for. A loop
+    of blocking all-reduces would be slower for that reason alone, and the comparison
+    would measure the launch style instead of the timing relative to backward.
     """
     buf = bucket.buffer()
     state.calls += 1
@@ -139,9 +144,12 @@ def deferred_hook(state, bucket):
     state.held.append(buf)
     if bucket.is_last():
         size = dist.get_world_size(state.group)
+        works = []
         for held in state.held:
             held.div_(size)  # DDP averages: divide first, then sum, as allreduce_hook does
-            dist.all_reduce(held, group=state.group)
+            works.append(dist.all_reduce(held, group=state.group, async_op=True))
+        for work in works:
+            work.wait()
         state.held.clear()
     done = torch.futures.Future()
     done.set_result(buf)
@@ -253,8 +261,17 @@ def scaling(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
     steps, global_batch = cfg["steps"], cfg["global_batch"]
     batches = rank_batches(global_batch, n, rank, device)
     rows = []
-    variants = ["ddp", "no_ddp"] if n == 1 else ["ddp"]
-    for variant in variants:
+    threads = torch.get_num_threads()
+    # on one rank: DDP, the plain model, and (CPU only) the plain model with as many
+    # threads as the larger worlds use cores in all, so N ranks also meet one process
+    # that has the same cores, not only one that has 1/N of them
+    variants = [("ddp", threads)]
+    if n == 1:
+        variants.append(("no_ddp", threads))
+        if device.type == "cpu":
+            variants += [("no_ddp", threads * k) for k in cfg["worlds"] if k > 1]
+    for variant, want_threads in variants:
+        torch.set_num_threads(want_threads)
         model = recipe_mlp(cfg["hidden"]).to(device)
         net = wrap_ddp(model, group, device) if variant == "ddp" else model
         optimizer = recipe.make_optimizer(net)
@@ -266,13 +283,15 @@ def scaling(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
                 train_step(net, optimizer, x, y)
 
         times = ctx.timed(window, n)
+        torch.set_num_threads(threads)
         rows.append({
-            "variant": variant, "world_size": n, "threads_per_rank": torch.get_num_threads(),
+            "variant": variant, "world_size": n, "threads_per_rank": want_threads,
             "device": device.type, "global_batch": global_batch, "per_rank_batch": global_batch // n,
             "steps_per_rep": steps,
             "samples_per_s": summary([steps * global_batch / t for t in times]),
             "step_ms": summary([t / steps * 1e3 for t in times]),
-            "cpu_busy": summary(ctx.last_cpu_busy),
+            # per thread: 100% when every thread computed all the time
+            "cpu_busy": summary([b / want_threads for b in ctx.last_cpu_busy]),
             "rank_spread": rank_spread(model, ctx.ctl[n]) if variant == "ddp" else 0.0,
         })
         del net, optimizer, model, window  # DDP's reducer holds the group: free it now

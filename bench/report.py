@@ -46,7 +46,8 @@ def pct(x: float | None) -> str:
 
 def scaling_label(r: dict) -> str:
     if r["variant"] == "no_ddp":
-        return "1 process, no DDP"
+        t = r.get("threads_per_rank", 1)
+        return f"1 process, no DDP, {t} thread" + ("s" if t != 1 else "")
     return f"DDP, {r['world_size']} rank" + ("s" if r["world_size"] > 1 else "")
 
 

@@ -1,15 +1,19 @@
 """The benchmark suite: measured speedups and costs, not claims.
 
 Run:
-    make bench                               # the full suite, under 5 minutes on 2 cores
+    make bench                               # the full suite, about a minute on 2 cores
     make bench ARGS="--quick"                # a fast smoke run (what the tests use)
-    python -m bench.run --only scaling --reps 7
-    python -m bench.run --write-doc          # docs/PERFORMANCE.md from runs/bench/results.json
+    .venv/bin/python -m bench.run --only scaling --reps 7
+    .venv/bin/python -m bench.run --write-doc   # the pages again from runs/bench/results.json
+    make bench-docs                          # maintainers: measure, then rewrite the committed
+                                             # docs/PERFORMANCE.md, docs/zh/ and docs/img/bench/
 
 Writes runs/bench/results.json (machine, every benchmark's settings, every repetition, the
 median, min and max), prints the tables, draws PNG plots when matplotlib is installed
-(`.venv/bin/pip install -r requirements-bench.txt`), and after a full run regenerates
-docs/PERFORMANCE.md from the JSON.
+(`.venv/bin/pip install -r requirements-bench.txt`), and after a full run writes the report
+for this machine, runs/bench/PERFORMANCE.md and runs/bench/zh/PERFORMANCE.md. A learner's
+run writes under runs/ only; only --publish (make bench-docs) touches docs/, and it
+refuses to start without matplotlib rather than leave the committed plots out of step.
 """
 from __future__ import annotations
 
@@ -160,14 +164,20 @@ def derive_scaling(rows: list[dict], cpus: int, threads: int) -> dict:
     """Speedup and efficiency against one DDP rank: efficiency = X_N / (N * X_1)."""
     ddp = {r["world_size"]: r for r in rows if r["variant"] == "ddp"}
     base = ddp.get(1)
-    plain = next((r for r in rows if r["variant"] == "no_ddp"), None)
+    # one process without DDP, by its thread count: `threads` (one rank's cores), and
+    # N x threads (all the cores N ranks use)
+    plain = {r["threads_per_rank"]: r for r in rows if r["variant"] == "no_ddp"}
     for r in rows:
         if base and r["variant"] == "ddp":
             r["speedup"] = round(r["samples_per_s"]["median"] / base["samples_per_s"]["median"], 3)
             r["efficiency"] = round(r["speedup"] / r["world_size"], 3)
-            if plain:  # against one process without DDP at all
+            if threads in plain:  # against one process without DDP, on one rank's cores
                 r["speedup_vs_no_ddp"] = round(
-                    r["samples_per_s"]["median"] / plain["samples_per_s"]["median"], 3)
+                    r["samples_per_s"]["median"] / plain[threads]["samples_per_s"]["median"], 3)
+            same = plain.get(threads * r["world_size"])
+            if r["world_size"] > 1 and same:  # against one process on the same cores
+                r["speedup_vs_same_cores"] = round(
+                    r["samples_per_s"]["median"] / same["samples_per_s"]["median"], 3)
     check = {"world_size": 2, "required_speedup": REQUIRED_SPEEDUP_2,
              "applies": cpus == 2 and threads == 1,
              "speedup": ddp[2].get("speedup") if 2 in ddp else None}
@@ -196,7 +206,7 @@ def derive_no_sync(rows: list[dict]) -> None:
 
 
 def parse_args():
-    parser = LessonParser(prog="python -m bench.run",
+    parser = LessonParser(prog=".venv/bin/python -m bench.run",
                           description="The benchmark suite: measured DDP speedups and costs")
     parser.add_argument("--quick", action="store_true",
                         help="small sizes and few repetitions: checks that the suite runs (the tests use it)")
@@ -216,18 +226,36 @@ def parse_args():
                         help="most CPU ranks for DDP scaling, also capped by the core count (default 8)")
     parser.add_argument("--timeout", type=positive_float, default=120.0,
                         help="seconds a collective may wait before the run fails (default 120)")
-    parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "PERFORMANCE.md",
-                        help="the Markdown report a full run regenerates (default docs/PERFORMANCE.md)")
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="the English report a full run writes, the Chinese one going to "
+                             "zh/ beside it (default: OUT/PERFORMANCE.md; with --publish "
+                             "docs/PERFORMANCE.md)")
     parser.add_argument("--no-doc", action="store_true",
-                        help="do not regenerate --doc after a full run")
+                        help="do not write the report after a full run")
     parser.add_argument("--write-doc", action="store_true",
-                        help="measure nothing: regenerate --doc from --out/results.json")
+                        help="measure nothing: write the report from --out/results.json")
+    parser.add_argument("--publish", action="store_true",
+                        help="rewrite the committed docs/PERFORMANCE.md, docs/zh/PERFORMANCE.md "
+                             "and docs/img/bench/ (make bench-docs); needs matplotlib")
     parser.add_argument("--strict", action="store_true",
                         help=f"exit 1 when 2 ranks reach less than {REQUIRED_SPEEDUP_2}x one "
                              f"rank on a 2-core machine")
     args = parser.parse_args()
     if args.out is None:
         args.out = ROOT / "runs" / ("bench-quick" if args.quick else "bench")
+    if args.doc is None:
+        args.doc = ROOT / "docs" / "PERFORMANCE.md" if args.publish else args.out / "PERFORMANCE.md"
+    # the plots beside the report: the committed ones under docs/img/bench, a learner's
+    # in --out with results.json
+    args.img = args.doc.parent / "img" / "bench" if args.publish else args.out
+    if args.publish and (args.quick or args.only or args.no_doc):
+        fail("--publish rewrites the committed page from a full run: drop --quick, --only "
+             "and --no-doc (or add --write-doc to publish runs/bench/results.json)")
+    if args.publish:
+        from bench import doc
+        if why := doc.matplotlib_missing():
+            fail(f"--publish redraws every plot of the committed page, but {why} "
+                 f"(nothing was measured or changed)")
     unknown = sorted(set(args.only or []) - set(BENCHMARKS))
     if unknown:
         fail(f"--only {','.join(unknown)}: no such benchmark; choose from {','.join(BENCHMARKS)}")
@@ -244,8 +272,8 @@ def main() -> None:
         from bench import doc
         if not results_path.exists():
             fail(f"{shown(results_path)} does not exist; run `make bench` first")
-        written = doc.write_doc(results_path, args.doc)
-        ui.print(f"wrote {shown(written)} from {shown(results_path)}")
+        written = doc.write_doc(results_path, args.doc, args.img, publish=args.publish)
+        ui.print(f"wrote {', '.join(shown(p) for p in written)} from {shown(results_path)}")
         return
 
     from bench import measure, report
@@ -267,7 +295,7 @@ def main() -> None:
     results: dict = {"schema": 1, "mode": plan["mode"], "machine": machine,
                      "settings": {k: plan[k] for k in ("reps", "warmup", "threads_per_rank",
                                                        "timeout")},
-                     "command": "python -m bench.run " + " ".join(sys.argv[1:]),
+                     "command": ".venv/bin/python -m bench.run " + " ".join(sys.argv[1:]),
                      "benchmarks": {}}
     bench = results["benchmarks"]
 
@@ -333,7 +361,8 @@ def main() -> None:
         ui.print(f"[yellow]plots:[/yellow] {note}")
     if plan["mode"] == "full" and not args.no_doc and not args.only:
         from bench import doc
-        ui.print(f"wrote {shown(doc.write_doc(results_path, args.doc))}")
+        written = doc.write_doc(results_path, args.doc, args.img, publish=args.publish)
+        ui.print(f"wrote {', '.join(shown(p) for p in written)}")
     ui.print(f"the suite took {results['wall_seconds']:.0f} s")
     if "failed" in bench.get("gpu", {}):
         fail(f"{bench['gpu']['failed']}; the CPU results were written", code=1)
