@@ -46,28 +46,23 @@ WORDS = {
     "en": dict(course="The course", glossary="Glossary", teaching="Teaching guide",
                performance="Performance", other="中文", prev="Previous", next="Next",
                diff="What is new since lesson {p} (diff)", source="Source", lines="lines",
-               before="Before Step 1", before_note="The docstring, the imports, the flags: "
-               "what the steps below use.", after="After the last step",
+               before="Before Step 1", after="After the last step",
                after_note="The rest of the file: helpers the steps call, and the entry point.",
                untranslated="This page has no Chinese translation yet; it is shown in English.",
-               lesson="Lesson", all_lessons="All lessons", added="{a} lines added, {r} removed",
+               lesson="Lesson {n}", added="{a} lines added, {r} removed",
                diff_title="Lesson {n} against its parent, lesson {p}",
-               diff_cmd="The same diff in a terminal:", none="(not in the teaching guide yet)",
-               no_parent="opens a topic (no parent lesson)", more="More",
-               index_intro="Read each lesson's doc beside its code, step by step.",
-               missing_doc="(no doc)", step_code="code of Step {n}"),
+               diff_cmd="The same diff in a terminal:", none="(not in the teaching guide yet)", more="More",
+               index_intro="Read each lesson's doc beside its code, step by step.", step_code="code of Step {n}"),
     "zh": dict(course="课程", glossary="术语表", teaching="教学指南", performance="性能",
                other="English", prev="上一课", next="下一课",
                diff="相对第 {p} 课新增了什么（diff）", source="源码", lines="行",
-               before="步骤 1 之前", before_note="文档字符串、导入和命令行参数：下面各步骤用到的东西。",
+               before="步骤 1 之前",
                after="最后一步之后", after_note="文件的其余部分：各步骤调用的辅助函数，以及程序入口。",
                untranslated="本页还没有中文翻译，下面显示英文原文。",
-               lesson="第 {n} 课", all_lessons="全部课程", added="新增 {a} 行，删除 {r} 行",
+               lesson="第 {n} 课", added="新增 {a} 行，删除 {r} 行",
                diff_title="第 {n} 课与它的前一课（第 {p} 课）的差异",
-               diff_cmd="在终端里看同样的 diff：", none="（教学指南中还没有这一课）",
-               no_parent="开启一个新主题（没有前一课）", more="更多",
-               index_intro="逐步阅读每一课：文档在左，代码在右。",
-               missing_doc="（无文档）", step_code="步骤 {n} 的代码"),
+               diff_cmd="在终端里看同样的 diff：", none="（教学指南中还没有这一课）", more="更多",
+               index_intro="逐步阅读每一课：文档在左，代码在右。", step_code="步骤 {n} 的代码"),
 }
 
 
@@ -417,13 +412,15 @@ class Site:
         intro, steps, after = doc_sections(source.read_text())
         lines = self.code_lines(lesson)
         i = self.lessons.index(lesson)
-        nav = []
+        nav, top = [], []  # links under the doc's intro and at its end; a short form in the top bar
         if i > 0:
             p = self.lessons[i - 1]
             nav.append(f'<a rel="prev" href="{p.page}">← {w["prev"]} {p.number}</a>')
+            top.append(f'<a rel="prev" href="{p.page}">← {p.number}</a>')
         if i + 1 < len(self.lessons):
             n = self.lessons[i + 1]
             nav.append(f'<a rel="next" href="{n.page}">{w["next"]} {n.number} →</a>')
+            top.append(f'<a rel="next" href="{n.page}">{n.number} →</a>')
         if lesson.parent and lesson.parent in self.by_number:
             nav.append(f'<a class="diff" href="{lesson.diff_page}">{w["diff"].format(p=lesson.parent)}</a>')
         rel = lesson.path.relative_to(self.root)
@@ -447,10 +444,8 @@ class Site:
         rows.append(f'<section class="after">{self.markdown(after, source, page, ids)}{navline}</section>')
         title = re.sub(r"^#\s*", "", source.read_text().splitlines()[0])
         title = re.sub(r"[`*]", "", title)
-        short = " ".join(a.replace(w["prev"] + " ", "").replace(w["next"] + " ", "")
-                         for a in nav if 'rel="' in a)  # ← 04  06 → in the top bar
         return self.page(lang, page, title, "\n".join(rows), self.other_lang(page, lang) if lang == "en"
-                         else "../" + lesson.page, nav_extra=short)
+                         else "../" + lesson.page, nav_extra=" ".join(top))
 
     def diff_page(self, lesson: Lesson, lang: str) -> str:
         w = WORDS[lang]
@@ -467,8 +462,8 @@ class Site:
                                           "del" if d.startswith("-") and not d.startswith("---") else ""
                                           for d in diff]))
         body = (f'<h1>{w["diff_title"].format(n=lesson.number, p=parent.number)}</h1>'
-                f'<p class="lessonnav"><a href="{parent.page}">← {w["lesson"].format(n=parent.number) if lang == "zh" else w["lesson"] + " " + parent.number}</a> '
-                f'<a href="{lesson.page}">{w["lesson"].format(n=lesson.number) if lang == "zh" else w["lesson"] + " " + lesson.number} →</a></p>'
+                f'<p class="lessonnav"><a href="{parent.page}">← {w["lesson"].format(n=parent.number)}</a> '
+                f'<a href="{lesson.page}">{w["lesson"].format(n=lesson.number)} →</a></p>'
                 f'<p>{w["added"].format(a=added, r=removed)} ({len(old)} → {len(new)} {w["lines"]}). '
                 f'{w["diff_cmd"]} <code>make diff TO={lesson.number}</code></p>'
                 f'<pre class="hl code diff"><code>{rows}</code></pre>')
