@@ -194,6 +194,11 @@ def root_cause(roots: dict) -> dict | None:
 
 def explain(node: int, error: str, args, port: int) -> str:
     m = re.search(r"(\d+)/(\d+) clients joined", error)
+    # static rendezvous with our store: the agents swap their role info through it, and an
+    # agent gives up waiting for the keys of nodes that never came (we started only these)
+    if "torchelastic/role_info" in error and "timeout" in error:
+        came = len(args.only_node) if args.only_node is not None else args.min_nodes
+        m = [None, str(min(came, args.min_nodes)), str(args.min_nodes)]
     if m:
         return (f"node {node} waited {args.rdzv_timeout} s at the rendezvous (127.0.0.1:{port}) "
                 f"but only {m[1]} of {m[2]} nodes came; start every node with the same --nnodes, "

@@ -1,0 +1,424 @@
+"""Attacks from outside (issue: reliability), each one that once failed, kept failing-proof.
+
+Whatever stops a launcher stops every process under it and nothing is saved afterwards;
+single-machine runs listen on 127.0.0.1 only; a second job on the same port or --out stops
+at once and leaves the first alone; data files never run code; downloads give up; bad
+flags and bad snapshots are one line at start-up. Every run here is bounded in time and
+killed early: the whole file is meant to stay well under a minute and a half.
+"""
+import errno
+import json
+import math
+import os
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, one_error_line, run
+
+PY = sys.executable
+NODES = [PY, "-m", "common.nodes"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "OMP_NUM_THREADS": "1"}
+
+
+# --- watching a job from outside ---------------------------------------------------------
+
+class Job:
+    """A lesson started as a learner would, in its own session, output in files."""
+
+    def __init__(self, cmd, folder: Path, name: str):
+        self.out, self.err = folder / f"{name}.stdout", folder / f"{name}.stderr"
+        self.proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=open(self.out, "w"),
+                                     stderr=open(self.err, "w"), stdin=subprocess.DEVNULL,
+                                     env=ENV, start_new_session=True)
+
+    def stdout(self) -> str:
+        return self.out.read_text()
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.stdout():
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.stderr()[-2000:]}"
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout} s"
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 30) -> int:
+        return self.proc.wait(timeout=timeout)
+
+
+def all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def pids_mentioning(text: str) -> set[int]:
+    """Processes whose command line holds `text` (a test's unique --out path)."""
+    return {p for p in all_pids() if p != os.getpid() and text in cmdline(p) and alive(p)}
+
+
+def table_pids(stdout: str) -> set[int]:
+    """The pids in the lesson's rank tables (the `pid` column of rich's tables)."""
+    found, column = set(), None
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in re.split(r"[┃│]", line)[1:-1]]
+        if "pid" in cells:
+            column = cells.index("pid")
+        elif column is not None and line.startswith("│") and len(cells) > column:
+            if cells[column].isdigit():
+                found.add(int(cells[column]))
+    return found
+
+
+def gone_within(pids: set[int], seconds: float) -> set[int]:
+    """Wait until none of `pids` is alive; return those still alive after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = {p for p in pids if alive(p)}
+        if not left:
+            return set()
+        time.sleep(0.1)
+    return {p for p in pids if alive(p)}
+
+
+def listening(pids: set[int]) -> list[str]:
+    """host:port of every TCP socket in LISTEN state that one of `pids` holds."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with_inode = re.match(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
+                if with_inode:
+                    inodes.add(with_inode[1])
+        except OSError:
+            continue
+    found = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        if not os.path.exists(table):
+            continue
+        for row in Path(table).read_text().splitlines()[1:]:
+            cols = row.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                continue
+            addr, port = cols[1].split(":")
+            raw = bytes.fromhex(addr)
+            if v6:  # four 32-bit words, each little-endian
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                host = socket.inet_ntop(socket.AF_INET6, raw)
+            else:
+                host = socket.inet_ntop(socket.AF_INET, raw[::-1])
+            found.append(f"{host}:{int(port, 16)}")
+    return found
+
+
+def loopback_only(addresses: list[str]) -> bool:
+    return all(a.rsplit(":", 1)[0] in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for a in addresses)
+
+
+@pytest.fixture
+def cleanup():
+    """Whatever a failing test leaves behind is killed here, not left running."""
+    jobs: list[Job] = []
+    yield jobs
+    for job in jobs:
+        if job.proc.poll() is None:
+            try:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            job.proc.wait()
+
+
+# --- lesson 05: mp.spawn ----------------------------------------------------------------------
+
+def test_lesson_05_second_job_and_sigint_to_the_parent_alone(tmp_path, cleanup):
+    """Same port, same --out, store on loopback, then SIGINT to the parent's pid only (what
+    an IDE's stop button sends): every rank ends within seconds, nothing is saved."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    number = port.getsockname()[1]
+    port.close()
+    first = tmp_path / "first"
+    job = Job([PY, "lessons/05_ddp_spawn.py", "--epochs", "400", "--master-port", number,
+               "--out", first], tmp_path, "a")
+    cleanup.append(job)
+    job.wait_for("Step 6: Train")
+    ranks = table_pids(job.stdout())
+    assert len(ranks) == 2
+    every = ranks | {job.proc.pid}
+    held = listening(every)
+    assert held and loopback_only(held), held  # the store: on 127.0.0.1 only
+    # a second job on the same port stops at once with one line, and leaves us alone
+    line = one_error_line(run([PY, "lessons/05_ddp_spawn.py", "--master-port", str(number),
+                               "--out", tmp_path / "second"], check=False, timeout=60))
+    assert f"port {number}" in line and "already in use" in line
+    # a second job on the same --out (another port) too
+    line = one_error_line(run([PY, "lessons/05_ddp_spawn.py", "--out", str(first)],
+                              check=False, timeout=60))
+    assert "in use by another job" in line and f"pid {job.proc.pid}" in line
+    assert job.proc.poll() is None and all(alive(p) for p in ranks)  # the first job still trains
+    os.kill(job.proc.pid, signal.SIGINT)
+    assert job.wait(20) == 130
+    assert not gone_within(every, 5)
+    assert job.stderr().strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)")
+    assert "nothing was saved" in job.stderr()
+    assert not (first / "final.pt").exists() and not (first / "metrics.json").exists()
+
+
+def test_lesson_05_parent_killed_with_sigkill_takes_its_ranks(tmp_path, cleanup):
+    job = Job([PY, "lessons/05_ddp_spawn.py", "--epochs", "400", "--out", tmp_path / "o"],
+              tmp_path, "a")
+    cleanup.append(job)
+    job.wait_for("Step 6: Train")
+    ranks = table_pids(job.stdout())
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.wait(10)
+    assert not gone_within(ranks, 5), "ranks outlived a SIGKILLed parent"
+    assert not (tmp_path / "o" / "final.pt").exists()
+
+
+# --- lessons 06 and 07: common.nodes and torchrun -----------------------------------------------
+
+def test_lesson_06_sighup_to_the_launcher_stops_every_agent_and_worker(tmp_path, cleanup):
+    out = tmp_path / "run06"
+    job = Job([*NODES, "--nnodes", "2", "--nproc-per-node", "2", "--",
+               "lessons/06_torchrun_multinode.py", "--epochs", "400", "--out", out], tmp_path, "a")
+    cleanup.append(job)
+    job.wait_for("Step 4: Train with DDP", timeout=90)
+    everyone = pids_mentioning(str(out)) | table_pids(job.stdout())
+    assert len(everyone) >= 7  # launcher, 2 agents, 4 workers
+    held = listening(everyone)
+    assert held and loopback_only(held), held
+    os.kill(job.proc.pid, signal.SIGHUP)
+    assert job.wait(30) == 129
+    assert not gone_within(everyone, 5)
+    assert not pids_mentioning(str(out))
+    assert job.stderr().strip().splitlines()[-1].startswith("error: interrupted (SIGHUP)")
+    assert not (out / "final.pt").exists()
+
+
+def test_lesson_06_names_the_rank_that_was_killed(tmp_path, cleanup):
+    """SIGKILL of rank 3 (node 1): the others fail with 'Connection closed by peer'; the
+    summary must name rank 3, whose death torchrun logged."""
+    out = tmp_path / "run06"
+    job = Job([*NODES, "--nnodes", "2", "--nproc-per-node", "2", "--",
+               "lessons/06_torchrun_multinode.py", "--epochs", "400", "--out", out], tmp_path, "a")
+    cleanup.append(job)
+    job.wait_for("Step 4: Train with DDP", timeout=90)
+    rows = re.findall(r"^│ (\d)\s+│ \d\s+│ \d\s+│ \S+\s+│ (\d+)", job.stdout(), re.M)
+    victim = dict((int(r), int(p)) for r, p in rows)[3]
+    os.kill(victim, signal.SIGKILL)
+    assert job.wait(60) == 1
+    last = job.stderr().strip().splitlines()[-1]
+    assert "rank 3 on node 1 failed first: killed by SIGKILL" in last, last
+    assert not gone_within(pids_mentioning(str(out)), 5)
+
+
+def test_lesson_07_sigterm_to_the_launcher_and_a_second_job_on_the_same_out(tmp_path, cleanup):
+    out = tmp_path / "run07"
+    cmd = [*NODES, "--elastic", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "3",
+           "--", "lessons/07_elastic.py", "--fail-at-step", "0", "--step-delay", "0.2",
+           "--out", out]
+    job = Job(cmd, tmp_path, "a")
+    cleanup.append(job)
+    job.wait_for("Step 5: Train", timeout=90)
+    everyone = pids_mentioning(str(out)) | table_pids(job.stdout())
+    held = listening(everyone)
+    assert held and loopback_only(held), held  # the rendezvous store and the workers' store
+    log = out / "nodes" / "node-0.log"
+    before = log.read_text()
+    line = one_error_line(run(cmd, check=False, timeout=60))  # the same job again
+    assert "in use by another job" in line
+    assert log.read_text().startswith(before)  # not overwritten
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait(30) == 143
+    assert not gone_within(everyone, 5)
+    assert not pids_mentioning(str(out))
+    assert not (out / "final.pt").exists()
+
+
+def test_lesson_07_agent_killed_with_sigkill_takes_its_workers(tmp_path, cleanup):
+    out = tmp_path / "run07"
+    job = Job([*NODES, "--elastic", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts",
+               "3", "--", "lessons/07_elastic.py", "--fail-at-step", "0", "--step-delay", "0.2",
+               "--out", out], tmp_path, "a")
+    cleanup.append(job)
+    job.wait_for("Step 5: Train", timeout=90)
+    workers = table_pids(job.stdout())
+    agents = {p for p in pids_mentioning(str(out)) if "torch.distributed.run" in cmdline(p)}
+    assert len(workers) == 2 and len(agents) == 1
+    os.kill(agents.pop(), signal.SIGKILL)
+    assert not gone_within(workers, 5), "workers trained on without their agent"
+    assert job.wait(30) == 1
+    assert not (out / "final.pt").exists()
+
+
+def test_lesson_07_usage_error_is_not_restarted(tmp_path):
+    proc = run([*NODES, "--elastic", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts",
+                "3", "--", "lessons/07_elastic.py", "--fail-rank", "5", "--out", tmp_path],
+               check=False, timeout=90)
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and "--fail-rank 5" in line
+    assert "will restart" not in proc.stderr
+
+
+def test_out_that_is_a_file_fails_at_start_up(tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    proc = run([*NODES, "--elastic", "--nnodes", "1", "--", "lessons/07_elastic.py", "--out",
+                blocker], check=False, timeout=60)
+    assert "is a file, not a folder" in one_error_line(proc)
+    long = tmp_path / ("x" * 300)
+    line = one_error_line(run([PY, "lessons/05_ddp_spawn.py", "--out", long], check=False, timeout=60))
+    assert "longer than 255 bytes" in line
+
+
+# --- in-process: flags, files, data ----------------------------------------------------------
+
+def test_flags_that_cannot_work_are_refused():
+    import argparse
+
+    from common.cli import positive_float, seed_number
+    for bad in ("inf", "nan", "-1", "1e300"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_float(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        seed_number(str(10**30))
+    assert seed_number("7") == 7
+
+
+def test_outputs_belong_together_and_are_readable(tmp_path):
+    from common.results import matching_pair, save_results
+    stray = tmp_path / ".final.pt.abc.tmp"
+    tmp_path.mkdir(exist_ok=True)
+    stray.write_bytes(b"half")
+    save_results(tmp_path, {"w": torch.ones(2)}, {"seed": 0})
+    assert not stray.exists()
+    assert matching_pair(tmp_path)
+    for name in ("final.pt", "metrics.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~current_umask()
+    # a final.pt from another run next to this metrics.json is detected
+    torch.save({"w": torch.zeros(2)}, tmp_path / "final.pt")
+    assert not matching_pair(tmp_path)
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_full_disk_is_one_line(tmp_path, capsys):
+    from common.results import atomic_write
+
+    def no_space(f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(SystemExit) as info:
+        atomic_write(tmp_path / "final.pt", no_space)
+    assert info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0]
+    assert not list(tmp_path.iterdir())  # no temporary file left
+
+
+def test_bad_snapshot_fields_are_refused(tmp_path):
+    from common import recipe
+    from common.checkpoint import snapshot_problem
+    model = recipe.make_model(0)
+    good = {"format": 1, "model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": recipe.make_optimizer(model).state_dict(), "epoch": 1,
+            "step_in_epoch": 8, "global_step": 40, "seed": 0, "dataset": "synthetic",
+            "global_batch": 96, "world_size": 2, "restart_count": 0, "losses": [0.5] * 40,
+            "samples": torch.zeros(40, 96, dtype=torch.long)}
+    expected = {"format": 1, "seed": 0, "dataset": "synthetic", "global_batch": 96,
+                "steps_per_epoch": 32}
+    assert snapshot_problem(good, good, expected, 96, "--epochs 3") is None
+    negative = {**good, "global_step": -5}
+    assert "global_step -5" in snapshot_problem(negative, good, expected, 96, "--epochs 3")
+    nan = {**good, "model": {**good["model"], "fc1.weight": good["model"]["fc1.weight"] * math.nan}}
+    assert "NaN" in snapshot_problem(nan, good, expected, 96, "--epochs 3")
+    short = {**good, "losses": [0.5] * 3}
+    assert "loss curve" in snapshot_problem(short, good, expected, 96, "--epochs 3")
+
+
+def test_a_crafted_cifar_batch_does_not_run_code(tmp_path, capsys):
+    from common.datasets import load_cifar10
+    from test_datasets import write_cifar10
+    write_cifar10(tmp_path)
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    with open(tmp_path / "cifar-10-batches-py" / "data_batch_2", "wb") as f:
+        pickle.dump({"data": Evil(), "labels": [1]}, f)
+    with pytest.raises(SystemExit):
+        load_cifar10(tmp_path, download=False)
+    assert not marker.exists(), "the pickle ran code"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data_batch_2" in err[0] and "refused" in err[0]
+
+
+@pytest.fixture
+def silent_proxy():
+    """A server on 127.0.0.1 that accepts connections and never answers."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held, stop = [], threading.Event()
+
+    def accept():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                pass
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join(2)
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+@pytest.mark.parametrize("name", ["cifar10", "mnist"])
+def test_a_download_that_never_answers_gives_up(tmp_path, capsys, monkeypatch, silent_proxy, name):
+    from common import datasets
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(var, silent_proxy)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.setenv("LESSON_DOWNLOAD_TIMEOUT", "0.5")
+    start = time.monotonic()
+    with pytest.raises(SystemExit):
+        (datasets.load_cifar10 if name == "cifar10" else datasets.load_mnist)(tmp_path, True)
+    assert time.monotonic() - start < 20
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: could not download") and "add --download" not in err, err
