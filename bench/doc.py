@@ -214,7 +214,7 @@ def _render(results: dict, images: dict, note: str | None) -> str:
             f"| system | {m['platform']}, Python {m['python']}, torch {m['torch']} |",
             f"| load average (1, 5, 15 min) | before: {m['load_average_start']}; "
             f"after: {load_end} (the suite's own ranks count in 'after') |",
-            f"| suite | `{results.get('command', 'python -m bench.run').strip()}`, {results['mode']} mode, "
+            f"| suite | `{results.get('command', '.venv/bin/python -m bench.run').strip()}`, {results['mode']} mode, "
             f"{results['wall_seconds']:.0f} s |", ""]
 
     # --- reproduce: the same commands in both languages -----------------------------------

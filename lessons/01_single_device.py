@@ -7,7 +7,7 @@ must end with the *same weights* as this lesson; that is how we prove it is corr
 Run:
     make lesson-01
     make lesson-01 ARGS="--epochs 5"
-    python lessons/01_single_device.py --device cpu --epochs 3 --out runs/my-try
+    .venv/bin/python lessons/01_single_device.py --device cpu --epochs 3 --out runs/my-try
 
 Doc: docs/01_single_device.md
 """

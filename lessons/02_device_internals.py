@@ -12,8 +12,8 @@ as `.cuda()`) and with `.to("meta")` (a real change of device), and says so.
 
 Run:
     make lesson-02
-    python lessons/02_device_internals.py --device cpu
-    python lessons/02_device_internals.py --device cuda     # real .cuda(), on a GPU machine
+    .venv/bin/python lessons/02_device_internals.py --device cpu
+    .venv/bin/python lessons/02_device_internals.py --device cuda     # real .cuda(), on a GPU machine
 
 Doc: docs/02_device_internals.md
 """

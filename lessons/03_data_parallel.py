@@ -13,8 +13,8 @@ same algorithm by hand on simulated devices (CPU threads) and says so.
 Run:
     make lesson-03
     make lesson-03 ARGS="--devices 4"
-    python lessons/03_data_parallel.py --device cpu --devices 3 --out runs/my-try
-    python lessons/03_data_parallel.py --device cuda --devices 2   # 2+ GPUs
+    .venv/bin/python lessons/03_data_parallel.py --device cpu --devices 3 --out runs/my-try
+    .venv/bin/python lessons/03_data_parallel.py --device cuda --devices 2   # 2+ GPUs
 
 Doc: docs/03_data_parallel.md
 """

@@ -14,8 +14,8 @@ still measured for real, and the two-device timeline is replayed from those meas
 Run:
     make lesson-04
     make lesson-04 ARGS="--micro-batches 8"
-    python lessons/04_model_parallel.py --device cpu --pipeline-batch 96
-    python lessons/04_model_parallel.py --device cuda           # cuda:0 + cuda:1 with 2 GPUs
+    .venv/bin/python lessons/04_model_parallel.py --device cpu --pipeline-batch 96
+    .venv/bin/python lessons/04_model_parallel.py --device cuda           # cuda:0 + cuda:1 with 2 GPUs
 
 Doc: docs/04_model_parallel.md
 """

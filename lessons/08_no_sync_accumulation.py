@@ -10,7 +10,7 @@ see the saving as a number, and see what the classic mistakes really do.
 Run:
     make lesson-08                                   # 2 ranks x 4 micro-batches of 12
     make lesson-08 ARGS="--accum-steps 8"
-    python lessons/08_no_sync_accumulation.py --world-size 2 --accum-steps 4 --bucket-cap-mb 0.01
+    .venv/bin/python lessons/08_no_sync_accumulation.py --world-size 2 --accum-steps 4 --bucket-cap-mb 0.01
 
 Doc: docs/08_no_sync_accumulation.md
 """

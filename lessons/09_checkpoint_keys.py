@@ -11,7 +11,7 @@ ranks wait at a barrier before they load.
 Run:
     make lesson-09
     make lesson-09 ARGS="--world-size 3"
-    python lessons/09_checkpoint_keys.py --epochs 1 --out runs/my-try
+    .venv/bin/python lessons/09_checkpoint_keys.py --epochs 1 --out runs/my-try
 
 Doc: docs/09_checkpoint_keys.md
 """

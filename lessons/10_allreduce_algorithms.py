@@ -16,8 +16,8 @@ server's rank 0 moves (N-1)*S in and out, a ring rank 2(N-1)/N*S.
 Run:
     make lesson-10
     make lesson-10 ARGS="--world-size 3"
-    python lessons/10_allreduce_algorithms.py --world-size 4 --sizes 1000,1000000 --repeats 5
-    python lessons/10_allreduce_algorithms.py --skip-rank 1 --timeout 5   # a broken ring
+    .venv/bin/python lessons/10_allreduce_algorithms.py --world-size 4 --sizes 1000,1000000 --repeats 5
+    .venv/bin/python lessons/10_allreduce_algorithms.py --skip-rank 1 --timeout 5   # a broken ring
 
 Doc: docs/10_allreduce_algorithms.md
 """

@@ -12,8 +12,8 @@ accuracy each reaches.
 Run:
     make lesson-11
     make lesson-11 ARGS="--slow-factor 8"
-    python lessons/11_sync_vs_async.py --world-size 4 --slow-rank 1 --slow-factor 4 --work-ms 8
-    python lessons/11_sync_vs_async.py --mode sync --slow-factor 1000 --timeout 3   # too slow
+    .venv/bin/python lessons/11_sync_vs_async.py --world-size 4 --slow-rank 1 --slow-factor 4 --work-ms 8
+    .venv/bin/python lessons/11_sync_vs_async.py --mode sync --slow-factor 1000 --timeout 3   # too slow
 
 Doc: docs/11_sync_vs_async.md
 """

@@ -11,8 +11,8 @@ numbers next to the right ones. Every broken mode ends on its own, within the --
 Run:
     make lesson-12                                   # every pitfall, fixed
     make lesson-12 ARGS="--break set-epoch"          # one pitfall, broken
-    python lessons/12_pitfalls.py --break collective-order --debug-detail
-    python lessons/12_pitfalls.py --world-size 3 --break eval-padding
+    .venv/bin/python lessons/12_pitfalls.py --break collective-order --debug-detail
+    .venv/bin/python lessons/12_pitfalls.py --world-size 3 --break eval-padding
 
 The --break names, in the order of the steps:
     busy-port           start the job on a port that another process holds
@@ -152,7 +152,7 @@ def main() -> None:
         explain(ui, args.brk, timer.seconds)
     else:
         ui.print(f"\nevery pitfall ran in its fixed form in {timer.seconds:.1f}s; now break one, "
-                 f"e.g. python lessons/12_pitfalls.py --break set-epoch")
+                 f"e.g. make lesson-12 ARGS=\"--break set-epoch\"")
 
 
 def explain(ui: UI, name: str | None, seconds: float) -> None:
