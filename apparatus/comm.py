@@ -44,7 +44,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -178,8 +178,8 @@ class CommLog:
         compute = _union([(w[0], w[1]) for w in self.windows])
         overlap = _intersection(busy, compute)
         in_flight = sum(e - s for s, e in busy)
-        last_grad = [w[1] for w in self.windows]
-        launched_early = sum(1 for c in calls if any(w[0] <= c.start < w[1] for w in self.windows))
+        # started inside loss.backward() (before it returned), not after it as a plain loop would
+        launched_early = sum(1 for c in calls if any(w[0] <= c.start < w[2] for w in self.windows))
         return {
             "calls_per_step": len(calls) / steps,
             "data_bytes_per_step": sum(c.data_bytes for c in calls) / steps,
@@ -189,8 +189,71 @@ class CommLog:
             "comm_seconds_per_step": in_flight / steps,
             "overlapped_fraction": overlap / in_flight if in_flight > 0 else 0.0,
             "exposed_seconds_per_step": (in_flight - overlap) / steps,
-            "backward_windows": len(last_grad),
+            "backward_windows": len(self.windows),
         }
+
+
+def record_training(wrapped, model, optimizer, batches, loss_fn, finish=None,
+                    warmup: int = 1) -> tuple[dict, dict]:
+    """Train one step per (x, y) in `batches` (this rank's share) through `wrapped`, recording
+    every step after the first `warmup` ones; returns (CommLog.summary, final weights).
+
+    `finish` runs after backward and before optimizer.step() (a hand-written wrapper's
+    finish_gradient_synchronization). warmup=1 leaves out the first step: torch's DDP
+    all-reduces it as one bucket and builds its real buckets from the order it saw.
+    """
+    log, steps = CommLog(), 0
+    with log.watching(model):
+        for i, (x, y) in enumerate(batches):
+            recording = log.recording() if i >= warmup else nullcontext()
+            with recording:
+                loss = loss_fn(wrapped(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                with log.backward() if i >= warmup else nullcontext():
+                    loss.backward()
+                if finish is not None:
+                    finish()
+            optimizer.step()
+            steps += i >= warmup
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return log.summary(max(1, steps)), state
+
+
+def compare(strategies: dict, make_model, make_optimizer, batch, loss_fn, steps: int,
+            warmup: int = 1) -> dict:
+    """{name: (summary, final weights)}: for each name -> wrap(model) in `strategies`, a fresh
+    make_model() wrapped, trained `steps` steps on batch(step) by record_training()."""
+    results = {}
+    for name, wrap in strategies.items():
+        model = make_model()
+        wrapped = wrap(model)
+        results[name] = record_training(
+            wrapped, model, make_optimizer(model), (batch(s) for s in range(steps)), loss_fn,
+            getattr(wrapped, "finish_gradient_synchronization", None), warmup)
+        del wrapped  # a DDP reducer holds the process group: free it before the next one
+    return results
+
+
+COLUMNS = ["strategy", "calls", "MiB sent", "started in backward", "in flight ms",
+           "of it during backward"]
+
+
+def table_rows(results: dict) -> list[list[str]]:
+    """compare()'s results as rows under COLUMNS, per step (this rank's view)."""
+    return [[name, f"{s['calls_per_step']:g}", f"{s['sent_bytes_per_step'] / 2**20:.3f}",
+             f"{s['launched_during_backward']:.0%}", f"{s['comm_seconds_per_step'] * 1e3:.1f}",
+             f"{s['overlapped_fraction']:.0%}"] for name, (s, _) in results.items()]
+
+
+def counted_ddp(model: torch.nn.Module, **ddp_kwargs):
+    """torch's DistributedDataParallel around `model` (on its GPU, if it is on one), with its
+    buckets routed through dist.all_reduce so that CommLog sees them."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    device = next(model.parameters()).device
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
+    route_ddp_through_python(ddp)
+    return ddp
 
 
 def route_ddp_through_python(ddp_model) -> None:

@@ -1,0 +1,286 @@
+"""Lesson 14: DDP by hand, from lesson 10's all-reduce up.
+
+Parent: lesson 13 (lessons/13_transformer_memory.py)
+
+New since lesson 13: N processes train it, each on 1/N of every batch, through HandDDP, our
+own DistributedDataParallel: a hook starts each gradient's all-reduce (or bucket's) as soon as
+backward produced it. We count the all-reduces and their overlap with backward, end with
+lesson 13's and torch DDP's weights, and, as lesson 13 on each rank, we count the memory, because
+that is why anyone shards a model: parameters, gradients and AdamW state beside the formula
+(4 + 4 + 8 bytes per parameter), the activations autograd saves for backward, and two ways to
+shrink those: activation checkpointing per block and bf16 autocast.
+
+Run:
+    make lesson-14
+    make lesson-14 ARGS="--world-size 4 --bucket-mb 0.05"
+    .venv/bin/python lessons/14_ddp_by_hand.py --world-size 3 --device cpu
+
+Doc: docs/14_ddp_by_hand.md
+"""
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from apparatus.comm import COLUMNS, compare, counted_ddp, table_rows
+from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_bytes
+from common import transformer as T
+from common.cli import fail, lesson_parser, positive_float, positive_int, run, seed_number
+from common.device import backend_for, plan_device, rank_device
+from common.distributed import choose_port, init_from_env, spawn, teardown
+from common.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
+from common.ui import UI, Timer
+
+
+def parse_args():
+    parser = lesson_parser(__doc__, recipe=False, distributed=True, world_size=2)
+    parser.add_argument("--steps", type=positive_int, default=T.STEPS,
+                        help="optimizer steps (one global batch each)")
+    parser.add_argument("--seed", type=seed_number, default=T.SEED,
+                        help="seed for the initial weights and the batches")
+    parser.add_argument("--bucket-mb", type=positive_float, default=0.1,
+                        help="MiB of gradients per all-reduce, like DDP's bucket_cap_mb")
+    return parser.parse_args()
+
+
+def forward_checkpointed(model, x):
+    """model(x), except that each block keeps only its input for backward: autograd
+    recomputes the block's forward during backward to get the rest back."""
+    x = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1], device=x.device))
+    for block in model.blocks:
+        x = checkpoint(block, x, use_reentrant=False)
+    return model.head(model.norm(x))
+
+
+class HandDDP(torch.nn.Module):
+    """DistributedDataParallel by hand, around any model. Call finish_gradient_synchronization()
+    after loss.backward(), before optimizer.step(). bucket_mb=None: one all-reduce per gradient."""
+
+    def __init__(self, module, bucket_mb=None):
+        super().__init__()
+        self.module, self.world = module, dist.get_world_size()
+        for t in [*module.parameters(), *module.buffers()]:  # a tied tensor is listed once
+            dist.broadcast(t.detach(), src=0)  # every rank starts from rank 0's weights
+        # Buckets in backward's order, the head's first; frozen parameters get no gradient
+        cap, self.buckets = (bucket_mb or 0) * 2**20, [[]]
+        for p in reversed([p for p in module.parameters() if p.requires_grad]):
+            if self.buckets[-1] and sum(q.numel() * q.element_size() for q in self.buckets[-1] + [p]) > cap:
+                self.buckets.append([])
+            self.buckets[-1].append(p)
+            # autograd calls it once per backward, when p.grad holds all of p's gradient
+            p.register_post_accumulate_grad_hook(lambda p, i=len(self.buckets) - 1: self._grad_ready(i))
+        self.missing, self.pending = [len(b) for b in self.buckets], []
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _grad_ready(self, i):
+        self.missing[i] -= 1
+        # Start buckets in order: all ranks must call the same collectives in the same order
+        while len(self.pending) < len(self.buckets) and self.missing[len(self.pending)] == 0:
+            bucket = self.buckets[len(self.pending)]  # one flat tensor: one message
+            flat = torch.cat([p.grad.flatten() for p in bucket])
+            self.pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))  # no wait
+
+    def finish_gradient_synchronization(self):
+        assert len(self.pending) == len(self.buckets), "a parameter got no gradient this step"
+        for bucket, flat, work in self.pending:
+            work.wait()
+            flat.div_(self.world)  # a SUM, then divide: gloo has no ReduceOp.AVG
+            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.grad.copy_(g.view_as(p))
+        self.missing, self.pending = [len(b) for b in self.buckets], []
+
+
+def main() -> None:
+    args = parse_args()
+    if T.GLOBAL_BATCH % args.world_size:  # every rank must take the same number of rows
+        fail(f"--world-size must divide the {T.GLOBAL_BATCH} rows of a batch: use 1, 2, 3, 4, 6, 8, ...")
+    kind, note = plan_device(args.device, args.world_size)  # one GPU per rank, or the CPU
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
+    spawn(worker, (args.world_size, args, kind, note), args.world_size)
+
+
+def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
+    ui = UI(rank, world, step_mode=args.step)
+    ui.title(f"Lesson 14: DDP by hand on {world} processes" + (f" ({note})" if note else ""))
+
+    # Step 1: Choose the device
+    # One thread on the CPU: bitwise reproducible (the reference is computed the same way),
+    # and in the next lessons several ranks share the cores anyway.
+    ui.step(1, "Choose the device")
+    device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    torch.cuda.set_device(device) if device.type == "cuda" else None  # NCCL: our GPU, no other
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun would set them
+    init_from_env(backend_for(device), args.timeout, device)  # lesson 05's init_process_group
+    ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
+
+    # Step 2: Make the data
+    # Sequences from an order-2 Markov chain: the next token depends on the previous two,
+    # so the model must use attention to see them. We know the chain's transition table,
+    # so we can compute the best loss any model could reach: the floor.
+    ui.step(2, "Make the data")
+    x, y = T.batch(0, args.seed)
+    ui.print(f"{T.VOCAB} tokens; one global batch = {tuple(x.shape)} inputs and "
+             f"{tuple(y.shape)} targets (the inputs shifted by one)")
+    for row in (0, 1):  # some pairs of tokens are almost always followed by the same token
+        ui.print(f"row {row}: {x[row, :12].tolist()} ... -> targets {y[row, :12].tolist()} ...")
+    floor = T.loss_floor()
+    ui.print(f"loss of uniform guessing: ln {T.VOCAB} = {torch.tensor(T.VOCAB).log():.4f}; "
+             f"the floor (best possible): {floor:.4f} nats/token")
+
+    # Step 3: Build the model, move it to the device, wrap it in HandDDP
+    ui.step(3, "Build the model, move it to the device, wrap it in HandDDP")
+    model = T.make_model(args.seed).to(device)
+    ddp_model = HandDDP(model, args.bucket_mb)
+    optimizer = T.make_optimizer(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    ui.print(f"Transformer: {T.N_BLOCKS} blocks, width {T.DIM}, {T.N_HEADS} heads, "
+             f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}")
+
+    # Step 4: Train
+    # The same loop as lesson 01, with a new batch every step instead of epochs.
+    # Each rank trains its rows; hooks start the all-reduces in backward; we wait, average.
+    ui.step(4, "Train")
+    losses: list[float] = []
+    timer = Timer()
+    log_every = max(1, args.steps // 5)
+    with ui.progress(args.steps, "training") as bar:
+        for step in range(args.steps):
+            x, y = T.batch(step, args.seed)
+            x, y = x.to(device), y.to(device)
+            x, y = T.shard(x, rank, world), T.shard(y, rank, world)
+            loss = T.loss_fn(ddp_model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            ddp_model.finish_gradient_synchronization()
+            optimizer.step()
+            losses.append(loss.item())
+            bar.advance()
+            if (step + 1) % log_every == 0:
+                ui.print(f"step {step + 1:>4}/{args.steps} | loss {loss.item():.4f} | "
+                         f"{timer.rate((step + 1) * x.numel()):>9,.0f} tokens/s")
+    wall = timer.seconds
+    dist.all_reduce(every := torch.tensor(losses, device=device))  # sum the ranks' losses:
+    losses = (every / world).tolist()  # their mean is the whole batch's loss
+    final_state = plain_state_dict(model)  # what we save; the measurements below change no weight
+
+    # Step 5: Evaluate against the floor
+    # Eight batches no step trained on. No model beats the floor on average (one batch may,
+    # by luck); how close we got is the number to watch in every later lesson too.
+    ui.step(5, "Evaluate against the floor")
+    held_out, accuracy = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(8):
+            x, y = (t.to(device) for t in T.batch(args.steps + i, args.seed))
+            logits = model(x)
+            held_out += T.loss_fn(logits, y).item() / 8
+            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
+    ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
+             f"held-out batches {held_out:.4f}")
+    ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
+
+    # Step 6: Count parameters, gradients and optimizer state
+    # Read off the tensors themselves, beside the formula. AdamW keeps two numbers per
+    # parameter (exp_avg, exp_avg_sq): the optimizer state is twice the model.
+    ui.step(6, "Count parameters, gradients and optimizer state")
+    held = state_bytes(model, optimizer)
+    fp32, mixed = formula_bytes(n_params), formula_bytes(n_params, mixed=True)
+    ui.table(f"Bytes held for {n_params:,} parameters", ["", "measured", "fp32 formula",
+             "per parameter", "mixed precision (ZeRO paper)"],
+             [[k, f"{held[k]:,}", f"{fp32[k]:,}", held[k] // n_params, f"{mixed[k]:,}"]
+              for k in held] + [["total", f"{sum(held.values()):,}", f"{sum(fp32.values()):,}",
+                                 sum(held.values()) // n_params, f"{sum(mixed.values()):,}"]])
+
+    # Step 7: Measure the activations
+    # Autograd keeps some tensors of the forward pass until backward needs them. The
+    # saved_tensors_hooks in apparatus/memory.py see each one as it is saved.
+    ui.step(7, "Measure the activations")
+    with SavedTensors(model) as plain:
+        loss_plain = T.loss_fn(model(x), y)
+    ui.print(f"one batch of {x.numel():,} tokens saves {mib(plain.bytes)} of activations "
+             f"({plain.bytes / held['parameters']:.1f}x the parameters)")
+
+    # Step 8: Activation checkpointing
+    # Keep only each block's input; recompute the rest in backward. Same numbers, less
+    # memory, one extra forward of every block per step.
+    ui.step(8, "Activation checkpointing")
+    with SavedTensors(model) as ckpt:
+        loss_ckpt = T.loss_fn(forward_checkpointed(model, x), y)
+    ui.print(f"saved for backward: {mib(plain.bytes)} plain -> {mib(ckpt.bytes)} checkpointed; "
+             f"loss {loss_plain.item():.6f} vs {loss_ckpt.item():.6f}")
+    retrain = T.make_model(args.seed).to(device)  # a fresh run: do the losses stay the same?
+    retrain_opt = T.make_optimizer(retrain)
+    k = min(10, args.steps)
+    ckpt_losses = []
+    for step in range(k):
+        xb, yb = (t.to(device) for t in T.batch(step, args.seed))
+        loss = T.loss_fn(forward_checkpointed(retrain, xb), yb)
+        retrain_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        retrain_opt.step()
+        ckpt_losses.append(loss.item())
+    ui.print(f"first {k} training losses identical with and without checkpointing: "
+             f"{ckpt_losses == T.train_reference(args.seed, args.steps)['losses'][:k].tolist()}")
+    t_plain = seconds(lambda: T.loss_fn(model(x), y).backward())
+    t_ckpt = seconds(lambda: T.loss_fn(forward_checkpointed(model, x), y).backward())
+    ui.print(f"forward + backward: {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
+             f"checkpointed ({t_ckpt / t_plain - 1:+.0%}: the recomputed forward)")
+
+    # Step 9: bf16 autocast
+    # Matmuls run in bfloat16 (2 bytes) while LayerNorm and the loss stay in float32.
+    ui.step(9, "bf16 autocast")
+    with SavedTensors(model) as bf16, torch.autocast(device.type, dtype=torch.bfloat16):
+        loss_bf16 = T.loss_fn(model(x), y)
+    ui.print(f"activations: {mib(plain.bytes)} fp32 -> {mib(bf16.bytes)} under bf16 autocast "
+             f"(+ {mib(bf16.weight_copy_bytes)} of bf16 weight copies autocast saved too)")
+    ui.print(f"loss: {loss_plain.item():.6f} fp32, {loss_bf16.item():.6f} bf16 "
+             f"(difference {abs(loss_bf16.item() - loss_plain.item()):.1e})")
+
+    # Step 10: Count the all-reduces, compare the weights
+    # Fresh runs recorded by apparatus/comm.py (every all-reduce: bytes, start, end; backward's
+    # compute time). torch's DDP trains the whole run. The floor: lesson 13 summing in N chunks.
+    ui.step(10, "Count the all-reduces, compare the weights")
+    mb, make = args.bucket_mb, lambda: T.make_model(args.seed).to(device)  # noqa: E731
+    local = lambda s: [T.shard(t, rank, world).to(device) for t in T.batch(s, args.seed)]  # noqa: E731
+    runs = compare({"HandDDP per parameter": HandDDP, f"HandDDP {mb:g} MiB": lambda m: HandDDP(m, mb)},
+                   make, T.make_optimizer, local, T.loss_fn, 7)  # a warm-up step, then 6
+    runs |= compare({f"torch DDP {mb:g} MiB": lambda m: counted_ddp(m, bucket_cap_mb=mb)},
+                    make, T.make_optimizer, local, T.loss_fn, args.steps)
+    ui.table("All-reduces per step, on rank 0", COLUMNS, table_rows(runs))
+    diff_torch = max_abs_diff(final_state, runs[f"torch DDP {mb:g} MiB"][1])
+    teardown()  # nothing below talks to the other ranks
+    if rank != 0:
+        return
+    reference, chunked = (T.train_reference(args.seed, args.steps, chunks=c)["state"] for c in (1, world))
+    diff, chunk_floor = max_abs_diff(final_state, reference), max_abs_diff(chunked, reference)
+    ui.print(f"max |w - w_13| = [bold]{diff:.1e}[/bold] (floor {chunk_floor:.1e}); max |w - w_torch_ddp| = {diff_torch:.1e}")
+
+    # Step 11: Save the results
+    # Every Part 2 lesson compares its final.pt with this one (within 1e-3).
+    ui.step(11, "Save the results")
+    folder = out_dir("14", args.out)
+    samples = args.steps * T.GLOBAL_BATCH
+    save_results(folder, final_state, make_metrics(
+        lesson="14", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
+        final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
+        seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
+        loss_floor=floor, memory_bytes={**held, "activations": plain.bytes},
+        activations_checkpointed_bytes=ckpt.bytes, activations_bf16_bytes=bf16.bytes,
+        checkpointed_losses=ckpt_losses, loss_bf16=loss_bf16.item(),
+        seconds_forward_backward={"plain": t_plain, "checkpointed": t_ckpt}, bucket_mb=mb,
+        comm={name: summary for name, (summary, _) in runs.items()}, max_abs_diff_floor=chunk_floor,
+        max_abs_diff_vs_single_device=diff, max_abs_diff_vs_torch_ddp=diff_torch))
+    ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
+             f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
+
+
+if __name__ == "__main__":
+    run(main)
