@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SEED = 0              # initial weights and the batches
-STEPS = 100           # optimizer steps
+STEPS = 120           # optimizer steps
 GLOBAL_BATCH = 48     # sequences per optimizer step, summed over all ranks
 SEQ = 32              # tokens of context per sequence (divides by 1, 2 and 4)
 LR = 1e-2             # AdamW learning rate (weight_decay is AdamW's default, 0.01)
@@ -194,7 +194,10 @@ def batch(step: int, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
         P = transition_table()
         _CDF["pair"] = stationary_pairs(P).flatten().cumsum(0)
         _CDF["next"] = P.cumsum(-1)
-    g = torch.Generator().manual_seed(seed * 2**32 + step)  # distinct for seed < 2**31, step < 2**32
+    # torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so seed * 2**32
+    # + step would repeat across seeds: hash (seed, step) into 32 bits instead
+    key = hashlib.sha256(f"transformer-batch {seed} {step}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(key[:4], "little"))
     u = torch.rand(SEQ, GLOBAL_BATCH, 1, generator=g, dtype=torch.float64)  # one draw per token
     pair = torch.searchsorted(_CDF["pair"], u[0]).clamp(max=VOCAB * VOCAB - 1)[:, 0]
     tokens = [pair // VOCAB, pair % VOCAB]
