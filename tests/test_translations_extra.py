@@ -93,6 +93,10 @@ def test_chinese_exercises_page_lists_every_exercise():
     for name in starters:
         assert f"`exercises/{name}`" in zh_text and f"`make check-{name[:2]}`" in zh_text, \
             f"exercises/README.zh.md does not list exercises/{name}: add a row (make check-{name[:2]})"
+        row = next(line for line in zh_text.splitlines() if f"`exercises/{name}`" in line)
+        for doc in (ROOT / "docs" / "zh").glob(f"{name[:2]}_*.md"):
+            assert f"](../docs/zh/{doc.name})" in row, \
+                f"exercises/README.zh.md: the row of exercises/{name} should link ../docs/zh/{doc.name}"
     named = set(re.findall(r"exercises/(\d\d_\w+\.py)", en_text + zh_text))
     assert named <= set(starters), f"the exercises pages name files that do not exist: {named - set(starters)}"
 
