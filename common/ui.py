@@ -61,7 +61,7 @@ class UI:
         self.print(f"\n[bold magenta]Step {number}: {title}[/bold magenta]")
 
     def pause(self, next_step: tuple[int, str] | None = None) -> None:
-        """With --step: say what just happened and what comes next, then wait for Enter.
+        """With --step: say what just happened and what comes next, then wait for a key.
 
         Only rank 0 asks. In a multi-process lesson the other ranks wait for its answer by
         receiving a small broadcast every second ("wait", then "go" or "quit"), so a learner
@@ -203,14 +203,50 @@ def share_terminal_with_children() -> None:
 
 
 def _read_answer(tty: _TTY, dist) -> str:
-    """Wait for a line on the terminal; in a group, tell the others 'wait' every second."""
-    while True:
-        ready, _, _ = select.select([tty], [], [], 1.0)
-        if ready:
-            line = tty.readline()
-            return "quit" if line == "" or line.strip().lower() in ("q", "quit") else "go"
-        if dist is not None:
-            _broadcast(dist, "wait")
+    """Wait for one key on the terminal (q quits; Enter or space goes on; other keys are
+    ignored); in a group, tell the others 'wait' every second.
+
+    The terminal is put in cbreak mode while we wait, so a key arrives without Enter (Ctrl-C
+    still interrupts), and restored afterwards. Where that is impossible (not a real
+    terminal), a whole line is read instead, as before.
+    """
+    fd = tty.fileno()
+    saved = None
+    try:
+        import termios
+        import tty as tty_modes
+    except ImportError:  # not a POSIX system: read whole lines
+        termios = None
+    if termios is not None:
+        try:
+            saved = termios.tcgetattr(fd)
+            tty_modes.setcbreak(fd, termios.TCSANOW)  # TCSANOW: keep keys typed ahead
+        except termios.error:  # not a real terminal
+            saved = None
+    try:
+        while True:
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            if ready:
+                if saved is None:
+                    line = tty.readline()
+                    return "quit" if line == "" or line.strip().lower() in ("q", "quit") else "go"
+                keys = os.read(fd, 64).decode(errors="replace")
+                if keys == "":
+                    return "quit"  # the terminal went away
+                for key in keys:
+                    if key in "qQ":
+                        tty.write("q\n")
+                        tty.flush()
+                        return "quit"
+                    if key in "\r\n ":
+                        tty.write("\n")
+                        tty.flush()
+                        return "go"
+            elif dist is not None:
+                _broadcast(dist, "wait")
+    finally:
+        if saved is not None:
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 def _broadcast(dist, value):

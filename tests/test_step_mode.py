@@ -60,8 +60,8 @@ def test_single_process_pauses_resumes_and_quits(tmp_path):
     t.type("\n")
     t.expect(r"Step 2: Make the data")
     t.expect(r"\[Enter\] next step")
-    t.type("q\n")
-    t.expect(r"Stopped at your request")
+    t.type("q")  # one key press, no Enter
+    t.expect(r"Stopped at your request", timeout=10)
     assert t.exit_code() == 0
     assert not (tmp_path / "final.pt").exists()
 
@@ -77,7 +77,10 @@ def test_multi_process_rank0_asks_others_wait_and_q_ends_every_process(tmp_path)
     t.type("\n")
     t.expect(r"Step 3: Split the data with DistributedSampler")
     t.expect(r"\[Enter\] next step")
-    t.type("q\n")
+    t.type("x")  # other keys do nothing
+    time.sleep(1)
+    assert "Stopped" not in t.text and "Step 4:" not in t.text
+    t.type("q")
     t.expect(r"Stopped at your request")
     assert t.exit_code() == 0
     assert len(pids) == 2
