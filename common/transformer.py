@@ -267,6 +267,9 @@ def train_reference(seed: int = SEED, steps: int = STEPS, chunks: int = 1) -> di
     finally:
         torch.set_num_threads(threads)
     atomic_write(path, lambda f: torch.save(result, f))
+    for old in path.parent.glob("*.pt"):  # references of an older recipe can never be read again
+        if not old.name.endswith(f"-{source}.pt"):
+            old.unlink(missing_ok=True)
     return result
 
 
