@@ -1,0 +1,56 @@
+"""Check exercise 20: name the straggler from every rank's profiler trace.
+
+Three gloo ranks run a few steps under torch.profiler, as lesson 20 profiles its training:
+compute, then all-reduce. One rank (1 or 2, chosen at random) sleeps before each all-reduce.
+Each rank writes its Chrome trace; the learner's slowest_rank(traces) must name that rank.
+"""
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+STARTER = "exercises/20_slowest_rank.py"
+STEPS, DELAY_S = 4, 0.05
+
+
+def _rank_20(rank: int, world: int, folder: str, slow: int) -> str:
+    """One rank: STEPS profiled steps of compute + all-reduce; the slow rank sleeps first."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    path = Path(folder) / f"trace_rank{rank}.json"
+    x = torch.ones(1000)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(STEPS):
+            if rank == slow:
+                time.sleep(DELAY_S)  # a straggler: a slow disk, a busy core, a longer batch
+            dist.all_reduce(x)
+    prof.export_chrome_trace(str(path))
+    return str(path)
+
+
+def check(path: Path) -> str:
+    """Read 3 ranks' traces and name the rank the others waited for."""
+    from check_exercise import NotYet, load, run_world
+
+    module = load(path)
+    if not hasattr(module, "slowest_rank"):
+        raise NotYet(f"{path} has no function slowest_rank(traces)")
+    slow = random.choice([1, 2])
+    with tempfile.TemporaryDirectory() as folder:
+        paths = run_world(3, _rank_20, (folder, slow), path)
+        traces = {rank: Path(p) for rank, p in enumerate(paths)}
+        try:
+            answer = module.slowest_rank(traces)
+        except Exception as exc:  # noqa: BLE001 - the learner's error, in one line
+            raise NotYet(f"slowest_rank raised {type(exc).__name__}: {exc}")
+    if answer != slow:
+        raise NotYet(f"rank {slow} slept {DELAY_S * 1000:.0f} ms before each of its {STEPS} "
+                     f"all-reduces, but slowest_rank answered {answer!r}. In whose trace are the "
+                     f"gloo:all_reduce events long, and why? (lesson 20, Step 9)")
+    return (f"rank {slow} slept before every all-reduce and slowest_rank found it: the others "
+            f"waited for it inside their all-reduces")
