@@ -12,7 +12,14 @@ API (everything a Part 2 lesson needs):
     x, y = T.shard(x, rank, world), T.shard(y, rank, world)   # rank r's contiguous rows
     loss = T.loss_fn(model(x), y)              # mean cross-entropy over every token
     T.loss_floor()                             # the best loss any model can reach (nats/token)
+    T.floor_gap(loss)                          # "+0.0374 from the floor 0.7809 ..." to print
     T.train_reference(seed, steps, chunks=N)   # {"state": final weights, "losses": tensor}
+
+How a Part 2 lesson proves itself: its final weights (a plain state_dict on the CPU) within
+1e-3 of train_reference()["state"] (common.results.max_abs_diff), printed beside the floor
+max_abs_diff(train_reference()["state"], train_reference(chunks=N)["state"]): one process
+that sums each batch in N pieces, as N ranks do. References are computed on the CPU with
+one thread and cached under runs/reference-13/, so only the first caller pays.
 
 Shapes: model(x) maps (B, SEQ) token ids to (B, SEQ, VOCAB) logits. Parameter names are
 Megatron-friendly, so tensor parallelism can split them by name: tok_emb, pos_emb,
@@ -20,8 +27,9 @@ blocks.<i>.{norm1, attn.{q, k, v, proj}, norm2, mlp.{fc, proj}}, norm, head. q, 
 are separate Linear layers (a fused qkv split column-wise would give rank 0 all of q and
 part of k); the attention reshapes with `view(B, T, -1, HEAD_DIM)`, so a rank holding
 N_HEADS / tp heads works unchanged. model.blocks is an nn.ModuleList (FSDP2 wraps each
-block; pipelining keeps a slice of them); forward skips tok_emb/pos_emb and head when a
-pipeline stage has set them to None.
+block; a pipeline stage keeps a slice, `model.blocks = nn.ModuleList(model.blocks[a:b])`,
+which renumbers their state_dict keys from 0); forward skips tok_emb/pos_emb and head when
+a pipeline stage has set them to None. The model has parameters only, no buffers.
 
 The data: token sequences from an order-2 Markov chain over VOCAB tokens whose transition
 table is fixed (TABLE_SEED). Its entropy rate is the best loss any model can reach on
