@@ -1,0 +1,180 @@
+"""Lesson 14: DDP by hand. One 2-rank run of the lesson through its real launcher feeds most
+assertions; HandDDP is also run on its own (tied weight, frozen layer, buffer) against
+torch's DDP, and on the transformer at 3 and 4 ranks against lesson 13's reference."""
+import re
+import sys
+
+import pytest
+import torch
+
+from common import transformer as T
+from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson
+
+sys.path.insert(0, str(ROOT / "tools"))
+from check_exercise import run_world  # noqa: E402  (the harness's way to start N ranks)
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def lesson(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lesson14")
+    proc = run_lesson("14", "--world-size", WORLD, "--device", "cpu", "--out", folder, timeout=300)
+    state, metrics = load_run(folder)
+    return proc.stdout, state, metrics
+
+
+def test_ends_with_lesson_13s_weights_and_torch_ddps(lesson, reference_13):
+    out, state, metrics = lesson
+    diff = max_abs_diff(state, reference_13["state"])
+    floor = max_abs_diff(T.train_reference(chunks=WORLD)["state"], reference_13["state"])
+    assert diff <= 1e-3, diff
+    assert metrics["max_abs_diff_vs_single_device"] == pytest.approx(diff, abs=1e-12)
+    assert metrics["max_abs_diff_floor"] == pytest.approx(floor, abs=1e-12)
+    assert metrics["max_abs_diff_vs_torch_ddp"] <= 1e-5  # same sums, same order of steps
+    assert f"max |w - w_13| = {diff:.1e} (floor {floor:.1e})" in out
+    assert (metrics["world_size"], metrics["backend"], metrics["lesson"]) == (WORLD, "gloo", "14")
+    # the losses are the whole batch's (the mean over ranks), so they follow lesson 13's
+    reference_losses = reference_13["losses"].tolist()
+    assert max(abs(a - b) for a, b in zip(metrics["losses"], reference_losses)) < 1e-2
+
+
+def expected_buckets(cap_mib: float) -> int:
+    """The bucket count by the rule, computed again: reverse order, fill up to the cap."""
+    sizes = [p.numel() * 4 for p in T.make_model().parameters()][::-1]
+    buckets, used = 0, None
+    for size in sizes:
+        if used is None or used + size > cap_mib * 2**20:
+            buckets, used = buckets + 1, 0
+        used += size
+    return buckets
+
+
+def test_counts_the_all_reduces_and_their_bytes(lesson):
+    _, state, metrics = lesson
+    comm = metrics["comm"]
+    per_param, bucketed = comm["HandDDP per parameter"], comm["HandDDP 0.1 MiB"]
+    torch_ddp = comm["torch DDP 0.1 MiB"]
+    n_tensors = len(state)  # the transformer has no buffers: every entry is a parameter
+    assert per_param["calls_per_step"] == n_tensors
+    assert bucketed["calls_per_step"] == expected_buckets(0.1) < n_tensors
+    assert 1 < torch_ddp["calls_per_step"] < n_tensors
+    data = 4 * sum(t.numel() for t in state.values())  # every gradient, once per step
+    for s in (per_param, bucketed, torch_ddp):
+        assert s["data_bytes_per_step"] == data
+        assert s["sent_bytes_per_step"] == pytest.approx(2 * (WORLD - 1) / WORLD * data)
+        assert s["launched_during_backward"] == 1.0  # all start inside loss.backward()
+        assert s["async_fraction"] == 1.0
+        assert 0 < s["overlapped_fraction"] <= 1  # some communication hid behind backward
+    assert torch_ddp["backward_windows"] == T.STEPS - 1  # all but its warm-up step
+
+
+def test_prints_the_table_and_the_steps_in_order(lesson):
+    out, _, _ = lesson
+    assert "All-reduces per step, on rank 0" in out and "HandDDP per parameter" in out
+    steps = [int(n) for n in re.findall(r"^Step (\d+):", out, re.M)]
+    assert steps == list(range(1, 12))
+    assert "identical with and without checkpointing: True" in out
+
+
+# --- HandDDP on its own -----------------------------------------------------------------
+
+def _tied_model(seed: int):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(12, 16)
+            self.mid = torch.nn.Linear(16, 16)
+            self.frozen = torch.nn.Linear(16, 16).requires_grad_(False)
+            self.head = torch.nn.Linear(16, 12, bias=False)
+            self.head.weight = self.emb.weight  # one tensor, two layers
+            self.register_buffer("scale", torch.full((1,), 1.0 + seed))
+
+        def forward(self, x):
+            return self.head(self.frozen(torch.tanh(self.mid(self.emb(x))))) * self.scale
+
+    torch.manual_seed(seed)
+    return Tied()
+
+
+def _train_tied(rank: int, world: int) -> dict:
+    """Different initial weights on every rank: HandDDP must broadcast rank 0's; then 3 AdamW
+    steps on per-rank batches, per parameter and in buckets, against torch's DDP."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from apparatus.comm import CommLog
+
+    HandDDP = import_lesson("14").HandDDP
+    results = {}
+    for name, bucket_mb in (("per parameter", None), ("buckets", 0.0011), ("torch", None)):
+        model = _tied_model(rank if name != "torch" else 0)
+        wrapped = DDP(model) if name == "torch" else HandDDP(model, bucket_mb)
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        log = CommLog()
+        with log.recording():
+            for step in range(3):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x, y = torch.randint(0, 12, (6, 5), generator=g), torch.randint(0, 12, (6, 5), generator=g)
+                loss = F.cross_entropy(wrapped(x).flatten(0, 1), y.flatten())
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if name != "torch":
+                    wrapped.finish_gradient_synchronization()
+                optimizer.step()
+        results[name] = {"start": start, "end": {k: v.clone() for k, v in model.state_dict().items()},
+                         "frozen_grad": model.frozen.weight.grad is None,
+                         "all_reduces": sum(c.kind == "all_reduce" for c in log.calls) / 3}
+        del wrapped
+    return results
+
+
+def test_hand_ddp_broadcasts_skips_frozen_and_reduces_tied_weights_once():
+    ranks = run_world(3, _train_tied, (), ROOT / "lessons" / "14_ddp_by_hand.py")
+    for mode in ("per parameter", "buckets"):
+        for r in ranks:
+            assert max_abs_diff(r[mode]["start"], ranks[0][mode]["start"]) == 0.0  # rank 0's
+            assert max_abs_diff(r[mode]["end"], r["torch"]["end"]) <= 1e-6, mode
+            assert r[mode]["frozen_grad"]
+    # 3 trainable tensors (the tied emb/head weight once, mid.weight, mid.bias): one
+    # all-reduce each; or 2 buckets of up to 1153 bytes: mid's 1088 bytes, then the 768 tied
+    assert ranks[0]["per parameter"]["all_reduces"] == 3
+    assert ranks[0]["buckets"]["all_reduces"] == 2
+
+
+def _train_transformer(rank: int, world: int) -> dict:
+    HandDDP = import_lesson("14").HandDDP
+    model = T.make_model()
+    ddp_model = HandDDP(model, 0.1)
+    optimizer = T.make_optimizer(model)
+    for step in range(T.STEPS):
+        x, y = (T.shard(t, rank, world) for t in T.batch(step))
+        loss = T.loss_fn(ddp_model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        ddp_model.finish_gradient_synchronization()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_three_and_four_ranks_end_with_lesson_13s_weights(world, reference_13):
+    ranks = run_world(world, _train_transformer, (), ROOT / "lessons" / "14_ddp_by_hand.py")
+    assert all(max_abs_diff(r, ranks[0]) == 0.0 for r in ranks)  # every rank took the same steps
+    diff = max_abs_diff(ranks[0], reference_13["state"])
+    floor = max_abs_diff(T.train_reference(chunks=world)["state"], reference_13["state"])
+    assert diff <= 1e-3, (diff, floor)
+
+
+def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
+    module = import_lesson("14")
+    for flags, expect in ((["--bucket-mb", "0"], "--bucket-mb"), (["--world-size", "0"], "--world-size"),
+                          (["--steps", "0"], "--steps")):
+        assert expect in parse_error(module, flags, monkeypatch, capsys)
+    monkeypatch.setattr(sys, "argv", ["14_ddp_by_hand.py", "--world-size", "5"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --world-size must divide"), lines
