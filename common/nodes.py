@@ -302,7 +302,8 @@ def main(argv: list[str]) -> None:
                 cmd = torchrun_command(args, node, port, script)
                 extra = {k: v for k, v in ELASTIC_ENV.items() if k not in os.environ} if args.elastic else {}
                 shown_env = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 " if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in extra else ""
-                print(f"  node {node}: {shown_env}{shlex.join(cmd)}", flush=True)
+                # shown as .venv/bin/torchrun: the command runs as printed from the repo root
+                print(f"  node {node}: {shown_env}.venv/bin/{shlex.join(cmd)}", flush=True)
                 # `python -m torch.distributed.run` is what the `torchrun` script runs
                 env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra,
                        LOCK_ENV: str(folder.resolve())}  # we hold the lock for the ranks
