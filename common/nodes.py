@@ -237,8 +237,9 @@ def job_folder(script: list[str]) -> Path:
             return Path(script[k + 1])
         if word.startswith("--out="):
             return Path(word[len("--out="):])
-    stem = Path(script[0]).stem
-    return out_dir(stem[:2], None) if stem[:2].isdigit() else ROOT / "runs" / stem
+    path = Path(script[0])
+    lesson = path.parent.name == "lessons" and path.stem[:2].isdigit()
+    return out_dir(path.stem[:2], None) if lesson else ROOT / "runs" / path.stem
 
 
 def descendants(roots: list[int]) -> list[int]:
