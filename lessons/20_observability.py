@@ -44,15 +44,13 @@ from common.ui import UI, Timer, share_terminal_with_children
 
 MAX_WORLD = 16  # more ranks than this on one machine teaches nothing but waiting
 BUCKET_CAP_MB = 0.001  # ~1 KB buckets: our 22 KB MLP gets 3 buckets (DDP's default, 25 MB, gives 1)
-PROFILED = 2           # steps the profiler records, after 1 skipped and 1 warm-up step
 
 
 def parse_args():
     parser = lesson_parser(__doc__, distributed=True, world_size=2)
     parser.add_argument("--skip-rank", type=nonnegative_int, default=None,
                         help="make this rank stop training early (the flight recorder names it)")
-    parser.add_argument("--skip-at-step", type=nonnegative_int, default=5,
-                        help="the training step at which --skip-rank stops")
+    parser.add_argument("--skip-at-step", type=nonnegative_int, default=5, help="the step before which --skip-rank stops")
     parser.set_defaults(timeout=15.0)  # a skipped collective fails after this, not after 60 s
     args = parser.parse_args()
     n = args.world_size
@@ -113,19 +111,7 @@ def main() -> None:
     except mp.ProcessExitedException as exc:
         failed = f"rank {exc.error_index} exited ({exc.signal_name or f'code {exc.exit_code}'}); the others were stopped"
 
-    # Step 9: Read the trace
-    # Each rank's profiler wrote a Chrome trace: open it in https://ui.perfetto.dev (offline:
-    # the page runs in your browser) or chrome://tracing. Here we read it back: per profiled
-    # step, when backward ran and when each all-reduce ran on the backend's own threads.
-    ui.step(9, "Read the trace")
-    trace.report_traces(ui, folder, args.world_size)  # apparatus/trace.py: the tables
-
-    # Step 10: Read the flight recorder
-    # Every rank dumped its recorder (at the end, or when a collective timed out). Ranks
-    # call collectives in the same order, so sequence numbers line up across ranks: the
-    # first number that some rank never reached is where the job went wrong.
-    ui.step(10, "Read the flight recorder")
-    trace.report_recorder(ui, os.environ["TORCH_FR_DUMP_TEMP_FILE"], args.world_size)
+    read_back(ui, args, folder)  # Steps 9 and 10, after the ranks are gone
     if failed:
         fail(failed, code=1)
 
@@ -137,7 +123,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     except RuntimeError as exc:  # a timed-out collective raises DistBackendError, a RuntimeError
         # What NCCL's watchdog does by itself on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT), by
         # hand for gloo: save this rank's recorder, give the others time to save theirs.
-        if dist.is_initialized():
+        if dist.is_initialized():  # (it is, unless joining the group was what failed)
             dump_flight_recorder(rank)
         trace.wait_for_dumps(os.environ["TORCH_FR_DUMP_TEMP_FILE"], world_size, 2 * args.timeout)
         print(f"[rank {rank}] {type(exc).__name__}: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
@@ -234,7 +220,7 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
     # batch's loss is their average over ranks. We keep each step's loss on the device and
     # average them every `log_every` steps in one all-reduce: `.item()` makes the CPU wait
     # for the GPU to finish, and once per step that wait would stall the pipeline.
-    # The profiler records steps 3 and 4 (schedule: skip 1, warm up 1, record PROFILED) and
+    # The profiler records steps 3 and 4 (schedule: skip 1, warm up 1, record 2) and
     # then writes this rank's Chrome trace. record_shapes adds each all-reduce's sizes.
     ui.step(6, "Train")
     losses: list[float] = []
@@ -243,7 +229,7 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
     log_every = max(1, len(loader) // 4)
     timer = Timer()
     profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []),
-                       schedule=schedule(wait=1, warmup=1, active=PROFILED, repeat=1), record_shapes=True,
+                       schedule=schedule(wait=1, warmup=1, active=2, repeat=1), record_shapes=True,
                        on_trace_ready=lambda p: p.export_chrome_trace(str(folder / f"trace_rank{rank}.json")))
     with ui.progress(steps, f"training on {world_size} ranks") as bar, profiler:
         for epoch in range(args.epochs):
@@ -309,6 +295,23 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
     gc.collect()
     dist.destroy_process_group()
     ui.print("done: every rank left the process group cleanly")
+
+
+def read_back(ui, args, folder) -> None:
+    """What the ranks left behind: their traces and their flight recorders' dumps."""
+    # Step 9: Read the trace
+    # Each rank's profiler wrote a Chrome trace: open it in https://ui.perfetto.dev (offline:
+    # the page runs in your browser) or chrome://tracing. Here we read it back: per profiled
+    # step, when backward ran and when each all-reduce ran on the backend's own threads.
+    ui.step(9, "Read the trace")
+    trace.report_traces(ui, folder, args.world_size)  # apparatus/trace.py: the tables
+
+    # Step 10: Read the flight recorder
+    # Every rank dumped its recorder (at the end, or when a collective timed out). Ranks
+    # call collectives in the same order, so sequence numbers line up across ranks: the
+    # first number that some rank never reached is where the job went wrong.
+    ui.step(10, "Read the flight recorder")
+    trace.report_recorder(ui, os.environ["TORCH_FR_DUMP_TEMP_FILE"], args.world_size)
 
 
 def fmt(t: torch.Tensor) -> str:
