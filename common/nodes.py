@@ -170,6 +170,8 @@ def pump(node: int, stream, log_path: Path, seen: dict, hide_info: bool = False,
                 continue
             if quiet is not None and quiet.is_set():
                 continue  # the job is being stopped: its noise stays in the log file
+            if "[c10d] waitForInput" in line:
+                continue  # the socket-level echo of a store timeout reported just below
             if FORGIVEN.search(line):
                 continue  # the agent's own store bind failing on purpose (see AGENT_CLIENT_ENV)
             sys.stderr.write(f"[node {node}] {line}")
