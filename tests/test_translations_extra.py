@@ -60,8 +60,8 @@ def test_zh_glossary_rows_are_translated_and_link_the_same_lessons(en, zh):
             f"docs/zh/GLOSSARY.md #{anchor}: first in [{lesson}]({target}); the English row says " \
             f"[{en[anchor][2]}]({en[anchor][3]})"
         assert HAN.search(meaning), f"docs/zh/GLOSSARY.md #{anchor}: the meaning is not translated"
-        # a Chinese name keeps the English term(s) beside it, as the zh docs do: 进程 / 秩（process / rank)
-        english = re.split(r"\s*/\s*", re.sub(r"\s*\(.*\)$", "", en[anchor][0]))  # "a / b (note)" -> a, b
+        # a Chinese name keeps the English term(s) beside it, as the zh docs do: 进程 / 秩（process / rank）
+        english = re.split(r"\s*/\s*", re.sub(r"\s*\([^)]*\)", "", en[anchor][0]))  # "a / b (note)" -> a, b
         lost = [term for term in english if term not in name]
         assert not lost, f"docs/zh/GLOSSARY.md #{anchor}: the name {name} lacks {' and '.join(lost)}; " \
                          f"write 中文（{en[anchor][0]}）, as the English row names it"
