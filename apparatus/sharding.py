@@ -1,0 +1,310 @@
+"""What each rank holds and sends under DDP, ZeRO-1 and FSDP2: lesson 15's instruments.
+
+* held_bytes(model, optimizer): bytes of parameters, gradients and optimizer state that this
+  rank holds, read from the storages of its local tensors (a DTensor's local shard), each
+  storage once. FSDP2 pads every dim-0 shard to ceil(rows / N) rows (torch 2.14.1,
+  fsdp/_fully_shard/_fsdp_param.py: `padded_sharded_param_size = chunks[0].size()`) and
+  keeps the padded storage, so the padding is counted: that is memory the rank really holds.
+* formula_bytes(strategy, shapes, world, rank, owned): the same three numbers from the
+  shapes alone: what the ZeRO paper's formulas say, padding included.
+* comm_formula(strategy, shapes, world, owned_max, reshard): bytes one rank sends per step,
+  by the ring formulas lesson 10 derives (apparatus/comm.py counts the real calls).
+* shard_rows(model): one row per parameter: global shape, placements, local shape, bytes.
+* FSDPStory: records FSDP2's own debug markers (pre_forward, pre_backward, post_backward,
+  per module) so that each collective CommLog saw can be shown under the block it served.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+KEYS = ("parameters", "gradients", "optimizer_state")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = _local(t).untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def inner_optimizer(optimizer):
+    """The optimizer that holds the state: ZeroRedundancyOptimizer and the lesson's
+    ShardedOptimizer keep a local one in `.optim` that sees only this rank's parameters."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def owned_numel(optimizer) -> int:
+    """Elements of the parameters this rank's optimizer steps."""
+    return sum(_local(p).numel() for g in inner_optimizer(optimizer).param_groups for p in g["params"])
+
+
+def held_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """{"parameters", "gradients", "optimizer_state"}: bytes this rank holds, padding included.
+    As apparatus/memory.py does, AdamW's one-number `step` counters are left out.
+
+    FSDP2 modules are resharded first: a forward without a backward (an evaluation) leaves
+    the root's parameters gathered (and every block's under reshard_after_forward=False), and
+    model.parameters() would then be the full, unsharded tensors."""
+    for module in model.modules():
+        if hasattr(module, "reshard") and hasattr(module, "unshard"):  # an FSDPModule
+            module.reshard()
+    params = list(model.parameters())
+    state = [t for s in inner_optimizer(optimizer).state.values() for t in s.values()
+             if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return {"parameters": storage_bytes(params),
+            "gradients": storage_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer_state": storage_bytes(state)}
+
+
+def _rows(shape) -> tuple[int, int]:
+    """(rows, elements per row) of a tensor of this shape; FSDP2 shards dim 0."""
+    return (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
+
+
+def fsdp_local_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """(rows rank holds, rows every rank stores): torch.chunk gives ceil(rows / N) rows to
+    each rank until they run out; FSDP2 pads every shard to that size."""
+    padded = -(-rows // world)
+    return max(0, min(padded, rows - rank * padded)), padded
+
+
+def formula_bytes(strategy: str, shapes: dict, world: int, rank: int, owned: int,
+                  element: int = 4) -> dict[str, int]:
+    """What rank `rank` should hold, fp32 AdamW (4 + 4 + 8 bytes per parameter held).
+
+    ddp: everything, everywhere. zero1: everything but the optimizer state, which covers
+    only the `owned` elements this rank steps. fsdp: the padded dim-0 shard of every
+    parameter and of its gradient; the optimizer state of the unpadded shard.
+    """
+    total = sum(math.prod(s) for s in shapes.values())
+    if strategy == "ddp":
+        return dict(zip(KEYS, (element * total, element * total, 2 * element * total)))
+    if strategy.startswith("zero1"):
+        return dict(zip(KEYS, (element * total, element * total, 2 * element * owned)))
+    padded = local = 0
+    for shape in shapes.values():
+        rows, per_row = _rows(shape)
+        mine, each = fsdp_local_rows(rows, world, rank)
+        padded += each * per_row
+        local += mine * per_row
+    return dict(zip(KEYS, (element * padded, element * padded, 2 * element * local)))
+
+
+def comm_formula(strategy: str, shapes: dict, world: int, owned_max: int, reshard: bool,
+                 element: int = 4) -> float:
+    """Bytes one rank sends per step, counted as lesson 10 counts a ring.
+
+    ddp:         all-reduce the gradients: 2(N-1)/N * P
+    zero1:       reduce-scatter the gradients, all-gather the parameters, each of N shards
+                 padded to the biggest (owned_max): 2 * (N-1)/N * N * owned_max
+    zero1-torch: DDP's all-reduce, then each parameter broadcast by its owner: 3(N-1)/N * P
+    fsdp:        per FSDP group (the root, each block): all-gather in forward, again in
+                 backward when resharded after forward, reduce-scatter in backward:
+                 (N-1)/N each, of the padded group.
+    """
+    n = world
+    if n == 1:
+        return 0.0
+    share = (n - 1) / n
+    total = element * sum(math.prod(s) for s in shapes.values())
+    if strategy == "ddp":
+        return 2 * share * total
+    if strategy == "zero1":
+        return 2 * share * n * owned_max * element
+    if strategy == "zero1-torch":
+        return 3 * share * total
+    groups: dict[str, int] = {}  # the root (""), each block
+    for name, shape in shapes.items():
+        group = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else ""
+        rows, per_row = _rows(shape)
+        groups[group] = groups.get(group, 0) + element * n * fsdp_local_rows(rows, n, 0)[1] * per_row
+    sent = 0.0
+    for group, size in groups.items():
+        gathers = 2 if reshard else 1
+        sent += share * size * (gathers + 1)
+    return sent
+
+
+def shard_rows(model: torch.nn.Module, limit: int | None = None) -> list[list]:
+    """[name, global shape, placements, local shape, bytes stored] per parameter."""
+    rows = []
+    for name, p in list(model.named_parameters())[:limit]:
+        placements = ", ".join(str(pl) for pl in getattr(p, "placements", ())) or "plain tensor"
+        local = _local(p)
+        rows.append([name, tuple(p.shape), placements, tuple(local.shape),
+                     f"{local.untyped_storage().nbytes():,}"])
+    return rows
+
+
+class FSDPStory:
+    """with FSDPStory() as story: ...  ->  story.rows(log.calls, step) after training.
+
+    FSDP2 logs a debug line at each hook it runs ("FSDP::pre_forward (blocks.0)") on the
+    logger torch.distributed.fsdp.fully_shard, before the hook issues its collectives. We
+    note the time of each line; a collective CommLog saw belongs to the last line before it.
+    """
+
+    LOGGER = "torch.distributed.fsdp.fully_shard"
+
+    def __init__(self):
+        self.marks: list[tuple[float, str]] = []
+        self._handler = logging.Handler(logging.DEBUG)
+        self._handler.emit = lambda record: self.marks.append((time.perf_counter(), record.getMessage()))
+
+    def __enter__(self) -> "FSDPStory":
+        logger = logging.getLogger(self.LOGGER)
+        self._level, self._propagate = logger.level, logger.propagate
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False  # our handler only: nothing printed
+        logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeHandler(self._handler)
+        logger.setLevel(self._level)
+        logger.propagate = self._propagate
+
+    def rows(self, calls, step: int) -> list[list[str]]:
+        """[hook, module, collectives it issued] for training step `step` (0-based)."""
+        starts = [i for i, (_, text) in enumerate(self.marks) if text == "FSDP::root_pre_forward"]
+        if step >= len(starts):
+            return []
+        end = starts[step + 1] if step + 1 < len(starts) else len(self.marks)
+        marks = self.marks[starts[step]:end]
+        stop = self.marks[end][0] if end < len(self.marks) else math.inf
+        out = []
+        for i, (t, text) in enumerate(marks):
+            until = marks[i + 1][0] if i + 1 < len(marks) else stop
+            issued = [c for c in calls if t <= c.start < until]
+            hook, _, module = text.removeprefix("FSDP::").partition(" ")
+            if not issued and hook not in ("pre_forward", "pre_backward", "post_backward"):
+                continue
+            what = ", ".join(f"{c.kind.replace('_single', '').replace('_', '-')} "
+                             f"{c.data_bytes / 1024:,.1f} KiB" for c in issued) or "-"
+            out.append([hook, module.strip("()") or "root", what])
+        return out
+
+
+def flat_row(params, size: int, device, grad: bool = False) -> torch.Tensor:
+    """The parameters (or, with grad=True, their gradients; zeros for a parameter without one)
+    one after another in one flat row, zeros up to `size`: ShardedOptimizer's collectives."""
+    tensors = [(torch.zeros_like(p) if p.grad is None else p.grad) if grad else p for p in params]
+    n = sum(t.numel() for t in tensors)
+    return torch.cat([t.reshape(-1) for t in tensors] + [torch.zeros(size - n, device=device)])
+
+
+def unflatten(rows: torch.Tensor, shards) -> None:
+    """Copy row r back into the parameters of shards[r], for every r."""
+    for row, shard in zip(rows, shards):
+        for p, new in zip(shard, pieces(row, shard)):
+            p.copy_(new)
+
+
+def pieces(row: torch.Tensor, shard) -> list[torch.Tensor]:
+    """The views of a flat row that hold each tensor of `shard`, shaped like it."""
+    sizes = [p.numel() for p in shard]
+    return [v.view_as(p) for p, v in zip(shard, row[:sum(sizes)].split(sizes))]
+
+
+def kib(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+# --- the tables lesson 15 prints ---------------------------------------------------------
+
+def show_shards(ui, model, limit: int = 5) -> None:
+    """Rank 0's first DTensor shards after fully_shard."""
+    ui.table("rank 0's first shards", ["parameter", "global shape", "placements",
+                                       "local shape", "bytes stored"], shard_rows(model, limit))
+
+
+def recipe_shapes() -> dict:
+    """{name: shape} of the Part 2 transformer's parameters, unsharded."""
+    from common import transformer as T
+
+    return {name: tuple(p.shape) for name, p in T.make_model().named_parameters()}
+
+
+def report_bytes(ui, model, optimizer, strategy: str) -> dict:
+    """Every rank's held_bytes beside formula_bytes, gathered to rank 0 and printed."""
+    import torch.distributed as dist
+
+    shapes = recipe_shapes()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = (held_bytes(model, optimizer),
+            formula_bytes(strategy, shapes, world, rank, owned_numel(optimizer)))
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    one_device = 16 * sum(math.prod(s) for s in shapes.values())
+    ui.table(f"Bytes each rank holds, measured / formula ({strategy} on {world}; one device: "
+             f"{one_device:,})", ["rank", "parameters", "gradients", "optimizer state", "total"],
+             [[r] + [f"{h[k]:,} / {f[k]:,}" for k in KEYS]
+              + [f"{sum(h.values()):,} / {sum(f.values()):,}"] for r, (h, f) in enumerate(everyone)])
+    return {"per_rank_bytes": mine[0],
+            "per_rank_bytes_all": [{"measured": h, "formula": f} for h, f in everyone]}
+
+
+def report_comm(ui, log, story, args, optimizer) -> dict:
+    """Bytes this rank sent per step (CommLog) beside the formula and DDP's; for fsdp, what
+    FSDP2 did around each module in the second step."""
+    import torch.distributed as dist
+
+    world, strategy, steps = dist.get_world_size(), args.strategy, args.steps
+    reshard, shapes = args.reshard_after_forward, recipe_shapes()
+    comm = log.summary(steps)
+    sent = comm["sent_bytes_per_step"]
+    expected = comm_formula(strategy, shapes, world, getattr(optimizer, "size", 0), reshard)
+    ddp = comm_formula("ddp", shapes, world, 0, True)
+    ui.print(f"{comm['calls_per_step']:.0f} collectives per step; rank 0 sent {kib(sent)} per "
+             f"step (formula {kib(expected)}); DDP's all-reduce sends {kib(ddp)}: "
+             f"{sent / ddp if ddp else 0:.2f}x")
+    if strategy == "fsdp":
+        ui.table("What FSDP2 did around each module in step 2 (rank 0)",
+                 ["hook", "module", "collectives it issued"], story.rows(log.calls, 1))
+    return {"comm_bytes_per_step": sent, "comm_formula_bytes": expected, "ddp_comm_bytes": ddp,
+            "comm_calls_per_step": comm["calls_per_step"], "strategy": strategy,
+            "reshard_after_forward": reshard}
+
+
+def compare_with_lesson_13(ui, state: dict, seed: int, steps: int, world: int) -> tuple[float, float]:
+    """max |w - w_13| of a run on `world` ranks, and the floor: one process summing each
+    batch in `world` chunks, as the ranks do (common/transformer.py's train_reference)."""
+    from common import transformer as T
+    from common.results import max_abs_diff
+
+    reference = T.train_reference(seed, steps)["state"]
+    diff = max_abs_diff(state, reference)
+    gap = max_abs_diff(T.train_reference(seed, steps, chunks=world)["state"], reference)
+    ui.print(f"same weights as lesson 13? max |w - w_13| = [bold]{diff:.1e}[/bold] (the floor, "
+             f"one process summing each batch in {world} chunks: {gap:.1e}; allowed 1e-3)")
+    return diff, gap
+
+
+def check_world_size(parser, args):
+    """--world-size must split the global batch into equal rows per rank (common/transformer.py)."""
+    from common import transformer as T
+
+    if T.GLOBAL_BATCH % args.world_size or args.world_size > 8:
+        parser.error(f"--world-size {args.world_size} must divide the global batch of "
+                     f"{T.GLOBAL_BATCH} and be at most 8: use 1, 2, 3, 4, 6 or 8")
+    return args
+
+
+def mean_over_ranks(values: list[float]) -> list[float]:
+    """Each rank's loss is the mean over its rows: the batch's loss is the mean of the ranks'."""
+    import torch.distributed as dist
+
+    total = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
