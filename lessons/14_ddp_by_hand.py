@@ -73,7 +73,7 @@ class HandDDP(torch.nn.Module):
                 self.buckets.append([])
             self.buckets[-1].append(p)
             # autograd calls it once per backward, when p.grad holds all of p's gradient
-            p.register_post_accumulate_grad_hook(lambda p, i=len(self.buckets) - 1: self._grad_ready(i))
+            p.register_post_accumulate_grad_hook(lambda _, i=len(self.buckets) - 1: self._grad_ready(i))
         self.missing, self.pending = [len(b) for b in self.buckets], []
 
     def forward(self, *args, **kwargs):
