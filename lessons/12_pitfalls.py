@@ -159,7 +159,10 @@ def explain(ui: UI, name: str | None, seconds: float) -> None:
     if name is None:
         return
     ui.print(f"\n[bold]What went wrong (--break {name}; the job ended after {seconds:.1f}s)[/bold]")
-    ui.print(textwrap.fill(EXPLAIN[name], width=92), markup=False)
+    # under DETAIL the mismatched collectives fail at once instead of hanging: say that
+    detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    text = EXPLAIN_DETAIL.get(name, EXPLAIN[name]) if detail else EXPLAIN[name]
+    ui.print(textwrap.fill(text, width=92), markup=False)
 
 
 def worker(rank: int, world_size: int, args, port: int) -> None:
@@ -748,6 +751,29 @@ EXPLAIN = {
         "ranks that load right after rank 0 was asked to save. Cause: nothing made them wait "
         "for rank 0 to finish writing. Fix: dist.barrier() between rank 0's save and the other "
         "ranks' load, and write atomically (temporary file, then rename)."),
+}
+
+# The same two modes under TORCH_DISTRIBUTED_DEBUG=DETAIL (--debug-detail), where the
+# mismatched collectives fail at once ("gave up after 0.0s") instead of hanging.
+EXPLAIN_DETAIL = {
+    "collective-missing": (
+        "Symptom: both ranks failed at once with 'Detected mismatch between collectives on "
+        "ranks': TORCH_DISTRIBUTED_DEBUG=DETAIL compares every collective's type, shapes and "
+        "sequence number across ranks before running it, and rank 0's all_reduce met the "
+        "others' barrier. Without DETAIL the job freezes until the process-group timeout "
+        "instead (run it without --debug-detail to see). Cause: all_reduce was called inside "
+        "`if rank == 0:`, so rank 0 and the others reached different collectives. Fix: call "
+        "every collective on every rank; if only rank 0 needs the result, let every rank "
+        "compute it and only rank 0 print it."),
+    "collective-order": (
+        "Symptom: two all_reduces of the same shape in a different order returned wrong sums "
+        "with no error at all, even under TORCH_DISTRIBUTED_DEBUG=DETAIL; then an all_reduce "
+        "on one rank met a broadcast on the other, and DETAIL, which compares every "
+        "collective's type and shapes across ranks before running it, failed both at once "
+        "('Detected mismatch between collectives on ranks'). Without DETAIL those two hang "
+        "until the timeout. Cause: ranks pair collectives by their position in the sequence, "
+        "not by their name or variable. Fix: make every rank issue the same collectives in "
+        "the same order (no rank-dependent branches or dict orders around them)."),
 }
 
 

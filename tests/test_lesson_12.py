@@ -120,6 +120,9 @@ def test_debug_detail_names_the_mismatch_at_once_but_not_the_swap(broken):
     assert found and all(float(s) < 5 for s in found), proc.stdout  # well before the 10 s timeout
     assert "Rank 0 is running collective: CollectiveFingerPrint" in proc.stdout or \
         "Rank 1 is running collective: CollectiveFingerPrint" in proc.stdout
+    # the closing explanation says what this run did: failed at once, not hung
+    explanation = " ".join(proc.stdout.split("What went wrong", 1)[1].split())  # unwrapped
+    assert "failed both at once" in explanation and "hung until" not in explanation
 
 
 def test_unused_parameters_give_ddps_real_error(broken):
