@@ -3,7 +3,8 @@
     run.py      the command line: plans the runs, starts the ranks, writes results.json
     measure.py  what every rank runs: DDP throughput, bucketing, no_sync, all-reduce timings
     report.py   the tables (printed with rich, and reused by the doc) and the PNG plots
-    doc.py      docs/PERFORMANCE.md, generated from results.json (never typed by hand)
+    doc.py      PERFORMANCE.md and zh/PERFORMANCE.md from results.json, every number and every
+                sentence that interprets one (runs/bench/; docs/ only with make bench-docs)
 
 Every number is the median of several timed repetitions after a warm-up, with the
 min-max spread beside it; a repetition of a multi-rank benchmark lasts as long as its
