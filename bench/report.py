@@ -172,6 +172,10 @@ def print_tables(ui, results: dict) -> None:
         where = "" if check["applies"] else " (the 1.6x target is for 2 cores, 1 thread per rank)"
         ui.print(f"\n2 ranks vs 1: [bold]{check['speedup']:.2f}x[/bold] "
                  f"(target {check['required_speedup']}x: {verdict}){where}")
+        for r in b["scaling"]["rows"]:
+            if "speedup_vs_same_cores" in r:  # the fair comparison: the same cores in all
+                ui.print(f"{r['world_size']} ranks vs 1 process with as many threads: "
+                         f"[bold]{r['speedup_vs_same_cores']:.2f}x[/bold]")
     if "gpu" in b and "skipped" in b["gpu"]:
         ui.print(f"\nGPU benchmarks: skipped: {b['gpu']['skipped']}")
     elif "gpu" in b and "failed" in b["gpu"]:
