@@ -50,7 +50,7 @@ def parse_args():
     parser = lesson_parser(__doc__, distributed=True, world_size=2)
     parser.add_argument("--skip-rank", type=nonnegative_int, default=None,
                         help="make this rank stop training early (the flight recorder names it)")
-    parser.add_argument("--skip-at-step", type=nonnegative_int, default=5, help="the step before which --skip-rank stops")
+    parser.add_argument("--skip-at-step", type=nonnegative_int, default=5, help="stop before this step")
     parser.set_defaults(timeout=15.0)  # a skipped collective fails after this, not after 60 s
     args = parser.parse_args()
     n = args.world_size

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 STARTER = "exercises/20_slowest_rank.py"
-STEPS, DELAY_S = 4, 0.05
+STEPS, DELAY_S = 5, 0.1
 
 
 def _rank_20(rank: int, world: int, folder: str, slow: int) -> str:
@@ -24,7 +24,9 @@ def _rank_20(rank: int, world: int, folder: str, slow: int) -> str:
 
     path = Path(folder) / f"trace_rank{rank}.json"
     x = torch.ones(1000)
+    dist.all_reduce(x.clone())  # every rank has started (and set up gloo) before the profiler
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.barrier()  # absorbs the ranks' different profiler start-up times (a gloo:barrier)
         for _ in range(STEPS):
             if rank == slow:
                 time.sleep(DELAY_S)  # a straggler: a slow disk, a busy core, a longer batch
