@@ -218,7 +218,10 @@ def report_traces(ui, folder: Path, world_size: int) -> list[dict]:
             ui.print(f"rank {rank}: no trace (the run stopped before the profiled steps)")
             continue
         for s in steps(path):
-            if rank == 0:  # every rank's table looks alike: print rank 0's, sum up the others
+            if not s["all_reduces"]:
+                ui.print(f"rank {rank}, {s['step']}: no all-reduce on a backend thread (with NCCL "
+                         f"they run as GPU kernels: read the GPU rows of the trace in Perfetto)")
+            elif rank == 0:  # every rank's table looks alike: print rank 0's, sum up the others
                 ui.table(f"rank 0, {s['step']}: backward ran from {s['backward_ms'][0]:.2f} to "
                          f"{s['backward_ms'][1]:.2f} ms", STEP_COLUMNS, step_rows(s))
             ui.print(f"rank {rank}, {s['step']} ({s['step_ms']:.2f} ms): communication "
@@ -231,7 +234,12 @@ def report_traces(ui, folder: Path, world_size: int) -> list[dict]:
 
 def report_recorder(ui, prefix: str, world_size: int) -> dict:
     """The diagnosis of every rank's dump, in a few lines."""
-    found = diagnose(read_dumps(prefix, world_size), world_size)
+    dumps = read_dumps(prefix, world_size)
+    if not dumps:  # e.g. NCCL's watchdog ended the ranks first: it writes pickles, not JSON
+        ui.print(f"no JSON dumps at {shown(Path(prefix))}<rank>.json; a dump NCCL's watchdog "
+                 f"wrote (a pickle, {shown(Path(prefix))}<rank>) is read by torchfrtrace")
+        return {"ok": False, "no_dump": list(range(world_size))}
+    found = diagnose(dumps, world_size)
     if found["ok"]:
         ui.print(f"every rank recorded the same {found['count']} collectives, in the same "
                  f"order: nobody is missing")
