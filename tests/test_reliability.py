@@ -35,11 +35,11 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "OMP_NUM_THREADS
 class Job:
     """A lesson started as a learner would, in its own session, output in files."""
 
-    def __init__(self, cmd, folder: Path, name: str):
+    def __init__(self, cmd, folder: Path, name: str, env: dict | None = None):
         self.out, self.err = folder / f"{name}.stdout", folder / f"{name}.stderr"
         self.proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=open(self.out, "w"),
                                      stderr=open(self.err, "w"), stdin=subprocess.DEVNULL,
-                                     env=ENV, start_new_session=True)
+                                     env={**ENV, **(env or {})}, start_new_session=True)
 
     def stdout(self) -> str:
         return self.out.read_text()
@@ -163,10 +163,12 @@ def test_lesson_05_second_job_and_sigint_to_the_parent_alone(tmp_path, cleanup):
     number = port.getsockname()[1]
     port.close()
     first = tmp_path / "first"
-    job = Job([PY, "lessons/05_ddp_spawn.py", "--epochs", "400", "--master-port", number,
-               "--out", first], tmp_path, "a")
+    # MASTER_ADDR/MASTER_PORT from the environment are honoured, as PyTorch's docs teach
+    job = Job([PY, "lessons/05_ddp_spawn.py", "--epochs", "400", "--out", first], tmp_path, "a",
+              env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(number)})
     cleanup.append(job)
     job.wait_for("Step 6: Train")
+    assert f"the store listens on 127.0.0.1:{number}" in job.stdout()
     ranks = table_pids(job.stdout())
     assert len(ranks) == 2
     every = ranks | {job.proc.pid}
