@@ -13,6 +13,10 @@ One instrument for every Part 2 lesson that asks "how much did we communicate, a
             ...                                  # e.g. wait for the gradients' all-reduces
     print(log.summary(steps))                    # calls, bytes sent, overlap, per step
 
+Helpers built on it: record_training() runs and records a plain training loop through any
+wrapper; compare() does that for several wrappers on fresh models, and table_rows() with
+COLUMNS prints them (lesson 14's Step 10); counted_ddp() is torch's DDP, made visible.
+
 How it sees the calls: inside `recording()`, the collective functions of `torch.distributed`
 (all_reduce, broadcast, all_gather*, reduce_scatter*, all_to_all_single) are wrapped, so every
 call made through the module attribute (`dist.all_reduce(...)`, which is how the lessons,
