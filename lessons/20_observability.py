@@ -84,7 +84,8 @@ def main() -> None:
     folder = claim_out(out_dir("20", args.out))  # checked now, not after training; ours alone
     # The flight recorder: every rank keeps its last TORCH_FR_BUFFER_SIZE collectives in a
     # ring buffer (read once, when the rank starts, so set it before mp.spawn). Dumps go to
-    # TORCH_FR_DUMP_TEMP_FILE + rank; NCCL's watchdog writes there itself on a timeout.
+    # TORCH_FR_DUMP_TEMP_FILE + rank (NCCL's watchdog writes there itself on a timeout when
+    # TORCH_NCCL_DUMP_ON_TIMEOUT=1; for gloo, worker() below writes them).
     os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
     os.environ["TORCH_FR_DUMP_TEMP_FILE"] = str(folder / "fr_rank_")
     trace.clear(folder)  # an earlier run's dumps and traces must not be read as this run's
