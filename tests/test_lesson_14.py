@@ -176,3 +176,15 @@ def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
     assert exit_info.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --world-size must divide"), lines
+
+
+def test_comm_log_formulas_and_overlap_arithmetic():
+    """apparatus/comm.py: lesson 10's ring shares, and the interval arithmetic of the overlap."""
+    from apparatus import comm
+
+    share = {name: f(4) for name, (_, f) in comm.RING.items()}
+    assert share["all_reduce"] == 1.5 and share["reduce_scatter_tensor"] == 0.75
+    assert share["all_gather_into_tensor"] == 0.75 and comm.RING["all_reduce"][1](1) == 0
+    busy = comm._union([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)])
+    assert busy == [(0.0, 3.0), (5.0, 6.0)]
+    assert comm._intersection(busy, [(2.0, 5.5)]) == pytest.approx(1.5)
