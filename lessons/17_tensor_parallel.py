@@ -1,0 +1,298 @@
+"""Lesson 17: tensor and sequence parallel, by hand and with DTensor.
+
+Parent: lesson 13 (lessons/13_transformer_memory.py)
+
+New since lesson 13: N ranks hold one model; each block's heads and MLP units are split
+as in Megatron-LM (column- then row-parallel linears, joined by the conjugates f and g), or
+with DTensor; --sequence-parallel splits the rest along the sequence. We count collectives,
+show the classic sequence-parallel mistake, end with lesson 13's weights, and, on each rank,
+count the memory, because
+that is why anyone shards a model: parameters, gradients and AdamW state beside the formula
+(4 + 4 + 8 bytes per parameter), the activations autograd saves for backward, and two ways to
+shrink those: activation checkpointing per block and bf16 autocast.
+
+Run:
+    make lesson-17
+    make lesson-17 ARGS="--world-size 4 --impl dtensor --sequence-parallel"
+    .venv/bin/python lessons/17_tensor_parallel.py --world-size 2 --device cpu
+
+Doc: docs/17_tensor_parallel.md
+"""
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+
+import torch
+from torch.distributed.tensor import Replicate, Shard, init_device_mesh, parallel as tp
+from torch.utils.checkpoint import checkpoint
+
+from apparatus import tensor_parallel as A
+from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_bytes
+from common import transformer as T
+from common.cli import lesson_parser, positive_int, run, seed_number
+from common.device import backend_for, plan_device, rank_device
+from common.distributed import choose_port, init_from_env, spawn, teardown
+from common.results import make_metrics, out_dir, save_results, shown
+from common.ui import UI, Timer
+
+
+def parse_args():
+    parser = lesson_parser(__doc__, recipe=False, distributed=True, world_size=2)
+    parser.add_argument("--steps", type=positive_int, default=T.STEPS,
+                        help="optimizer steps (one global batch each)")
+    parser.add_argument("--seed", type=seed_number, default=T.SEED,
+                        help="seed for the initial weights and the batches")
+    parser.add_argument("--impl", choices=["manual", "dtensor"], default="manual", help="by hand or DTensor")
+    parser.add_argument("--sequence-parallel", action="store_true", help="also split the sequence")
+    return parser.parse_args()
+
+
+def forward_checkpointed(model, x):
+    """model(x), except that each block keeps only its input for backward: autograd
+    recomputes the block's forward during backward to get the rest back."""
+    x = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1], device=x.device))
+    for block in model.blocks:
+        x = checkpoint(block, x, use_reentrant=False)
+    return model.head(model.norm(x))
+
+
+class Comm(torch.autograd.Function):
+    """y = fwd(x) in forward, and grad_x = bwd(grad_y) in backward."""
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        return fwd(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.bwd(grad.contiguous()), None, None
+
+
+# (forward, backward): each pair's forward is the other's backward. The collectives are
+# plain torch.distributed calls (apparatus/tensor_parallel.py); sequence ones act on dim 1.
+PAIRS = {"f": (lambda x: x, A.all_reduce), "g": (A.all_reduce, lambda x: x),  # tensor parallel, and
+         "f_sp": (A.all_gather, A.reduce_scatter), "g_sp": (A.reduce_scatter, A.all_gather),  # sequence
+         "split": (A.split, A.all_gather), "gather": (A.all_gather, A.split)}  # parallel
+
+
+def parallelize_by_hand(model, rank, world, sp):
+    """Megatron-LM's split, on lesson 13's modules: same names, 1/world of each split tensor."""
+    keep = lambda lin, name, dim: setattr(  # noqa: E731  our chunk of lin.<name> becomes the parameter
+        lin, name, torch.nn.Parameter(getattr(lin, name).detach().chunk(world, dim)[rank].clone()))
+    enter, leave = ("f_sp", "g_sp") if sp else ("f", "g")  # what enters / leaves the split layers
+    for block in model.blocks:  # column-parallel: our rows, i.e. our heads and our MLP units
+        for lin in (block.attn.q, block.attn.k, block.attn.v, block.mlp.fc):
+            keep(lin, "weight", 0), keep(lin, "bias", 0)
+        for lin in (block.attn.proj, block.mlp.proj):  # row-parallel: the matching columns;
+            keep(lin, "weight", 1)  # g sums the partial outputs, then the bias is added once
+            lin.forward = lambda h, lin=lin: Comm.apply(h @ lin.weight.T, *PAIRS[leave]) + lin.bias
+        for norm in (block.norm1, block.norm2):  # f: where a column-parallel layer's input enters
+            norm.register_forward_hook(lambda m, args, out: Comm.apply(out, *PAIRS[enter]))
+            for p in [*norm.parameters(), block.attn.proj.bias, block.mlp.proj.bias, *model.norm.parameters()]:
+                p.sequence_parallel = sp  # whole on every rank, but it sees 1/world of the tokens
+    if sp:  # the blocks and the last norm work on slices of the sequence; the head on all of it
+        model.blocks[0].register_forward_pre_hook(lambda m, args: Comm.apply(args[0], *PAIRS["split"]))
+        model.norm.register_forward_hook(lambda m, args, out: Comm.apply(out, *PAIRS["gather"]))
+    return model
+
+
+def parallelize_dtensor(model, rank, world, sp):
+    """The same with DTensor: a plan of placements per module (Shard(1): split along the
+    sequence; Replicate(): whole on every rank). DTensor makes the collectives."""
+    mesh = init_device_mesh(next(model.parameters()).device.type, (world,))
+    # PrepareModuleInput: redistribute a module's input from one placement to another
+    layouts = lambda a, b: tp.PrepareModuleInput(input_layouts=a, desired_input_layouts=b, use_local_output=True)  # noqa: E731
+    plan = {f"blocks.*.{name}": tp.ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
+    plan |= {f"blocks.*.{name}": tp.RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+             for name in ("attn.proj", "mlp.proj")}  # reduce-scatter to our slice, or all-reduce
+    if sp:  # norms on our slice of the sequence; attention, MLP and head gather all of it first
+        gather = layouts(Shard(1), Replicate())
+        plan |= {"blocks.0": layouts(Replicate(), Shard(1)), "blocks.*.norm*": tp.SequenceParallel(),
+                 "norm": tp.SequenceParallel(), "blocks.*.attn": gather, "blocks.*.mlp": gather, "head": gather}
+    return tp.parallelize_module(model, mesh, plan)
+
+
+def main() -> None:
+    args = parse_args()
+    A.check_world_size(args.world_size)  # it must divide the heads and the sequence
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
+    # plan_device: (kind, note): one GPU per rank, or the CPU and a note saying why
+    spawn(worker, (args.world_size, args, *plan_device(args.device, args.world_size)), args.world_size)
+
+
+def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
+    ui = UI(rank, world, step_mode=args.step)
+    ui.title(f"Lesson 17: tensor parallel, {A.variant(args)}, on {world} processes" + (f" ({note})" if note else ""))
+
+    # Step 1: Choose the device
+    # One thread on the CPU: bitwise reproducible (the reference is computed the same way),
+    # and in the next lessons several ranks share the cores anyway.
+    ui.step(1, "Choose the device")
+    device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    torch.cuda.set_device(device) if device.type == "cuda" else None  # NCCL: our GPU, no other
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun would set them
+    init_from_env(backend_for(device), args.timeout, device)  # lesson 05's init_process_group
+    ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
+
+    # Step 2: Make the data
+    # Sequences from an order-2 Markov chain: the next token depends on the previous two,
+    # so the model must use attention to see them. We know the chain's transition table,
+    # so we can compute the best loss any model could reach: the floor.
+    ui.step(2, "Make the data")
+    x, y = T.batch(0, args.seed)
+    ui.print(f"{T.VOCAB} tokens; one global batch = {tuple(x.shape)} inputs and "
+             f"{tuple(y.shape)} targets (the inputs shifted by one)")
+    for row in (0, 1):  # some pairs of tokens are almost always followed by the same token
+        ui.print(f"row {row}: {x[row, :12].tolist()} ... -> targets {y[row, :12].tolist()} ...")
+    floor = T.loss_floor()
+    ui.print(f"loss of uniform guessing: ln {T.VOCAB} = {torch.tensor(T.VOCAB).log():.4f}; "
+             f"the floor (best possible): {floor:.4f} nats/token")
+
+    # Step 3: Build the model and move it to the device
+    # Every rank builds the whole model (same seed, same weights), then keeps its share.
+    ui.step(3, "Build the model and move it to the device")
+    model = T.make_model(args.seed).to(device)
+    split_model = parallelize_by_hand if args.impl == "manual" else parallelize_dtensor
+    model = split_model(model, rank, world, args.sequence_parallel)
+    optimizer = T.make_optimizer(model)
+    n_params = sum(p.numel() for p in T.make_model(args.seed).parameters())  # the whole model
+    ui.print(f"Transformer: {T.N_BLOCKS} blocks, width {T.DIM}, {T.N_HEADS} heads, "
+             f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}")
+
+    # Step 4: Train
+    # The same loop as lesson 01, with a new batch every step instead of epochs.
+    # Every rank reads the whole batch: tensor parallel splits the model, not the data.
+    ui.step(4, "Train")
+    losses: list[float] = []
+    timer = Timer()
+    log_every = max(1, args.steps // 5)
+    with ui.progress(args.steps, "training") as bar:
+        for step in range(args.steps):
+            x, y = T.batch(step, args.seed)
+            x, y = x.to(device), y.to(device)
+            loss = T.loss_fn(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for p in filter(lambda p: getattr(p, "sequence_parallel", False), model.parameters()):
+                torch.distributed.all_reduce(p.grad)  # by hand, our tokens' share: sum it (Step 11)
+            optimizer.step()
+            losses.append(loss.item())
+            bar.advance()
+            if (step + 1) % log_every == 0:
+                ui.print(f"step {step + 1:>4}/{args.steps} | loss {loss.item():.4f} | "
+                         f"{timer.rate((step + 1) * x.numel()):>9,.0f} tokens/s")
+    wall = timer.seconds
+    final_state = A.full_state_dict(model)  # the shards gathered, under lesson 13's names
+
+    # Step 5: Evaluate against the floor
+    # Eight batches no step trained on. No model beats the floor on average (one batch may,
+    # by luck); how close we got is the number to watch in every later lesson too.
+    ui.step(5, "Evaluate against the floor")
+    held_out, accuracy = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(8):
+            x, y = (t.to(device) for t in T.batch(args.steps + i, args.seed))
+            logits = model(x)
+            held_out += T.loss_fn(logits, y).item() / 8
+            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
+    ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
+             f"held-out batches {held_out:.4f}")
+    ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
+
+    # Step 6: Count parameters, gradients and optimizer state
+    # Read off the tensors themselves, beside the formula. AdamW keeps two numbers per
+    # parameter (exp_avg, exp_avg_sq): the optimizer state is twice the model.
+    ui.step(6, "Count parameters, gradients and optimizer state")
+    held = state_bytes(model, optimizer)
+    fp32, mixed = formula_bytes(n_params), formula_bytes(n_params, mixed=True)
+    ui.table(f"Bytes held for {n_params:,} parameters", ["", "measured", "fp32 formula",
+             "per parameter", "mixed precision (ZeRO paper)"],
+             [[k, f"{held[k]:,}", f"{fp32[k]:,}", held[k] // n_params, f"{mixed[k]:,}"]
+              for k in held] + [["total", f"{sum(held.values()):,}", f"{sum(fp32.values()):,}",
+                                 sum(held.values()) // n_params, f"{sum(mixed.values()):,}"]])
+
+    # Step 7: Measure the activations
+    # Autograd keeps some tensors of the forward pass until backward needs them. The
+    # saved_tensors_hooks in apparatus/memory.py see each one as it is saved.
+    ui.step(7, "Measure the activations")
+    with SavedTensors(model) as plain:
+        loss_plain = T.loss_fn(model(x), y)
+    ui.print(f"one batch of {x.numel():,} tokens saves {mib(plain.bytes)} of activations "
+             f"({plain.bytes / held['parameters']:.1f}x the parameters)")
+
+    # Step 8: Activation checkpointing
+    # Keep only each block's input; recompute the rest in backward. Same numbers, less
+    # memory, one extra forward of every block per step.
+    ui.step(8, "Activation checkpointing")
+    with SavedTensors(model) as ckpt:
+        loss_ckpt = T.loss_fn(forward_checkpointed(model, x), y)
+    ui.print(f"saved for backward: {mib(plain.bytes)} plain -> {mib(ckpt.bytes)} checkpointed; "
+             f"loss {loss_plain.item():.6f} vs {loss_ckpt.item():.6f}")
+    retrain = T.make_model(args.seed).to(device)  # a fresh run: do the losses stay the same?
+    retrain_opt = T.make_optimizer(retrain)
+    k = min(10, args.steps)
+    ckpt_losses = []
+    for step in range(k):
+        xb, yb = (t.to(device) for t in T.batch(step, args.seed))
+        loss = T.loss_fn(forward_checkpointed(retrain, xb), yb)
+        retrain_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        retrain_opt.step()
+        ckpt_losses.append(loss.item())
+    ui.print(f"first {k} training losses identical with and without checkpointing: "
+             f"{ckpt_losses == T.train_reference(args.seed, args.steps)['losses'][:k].tolist()}")
+    t_plain = seconds(lambda: T.loss_fn(model(x), y).backward())
+    t_ckpt = seconds(lambda: T.loss_fn(forward_checkpointed(model, x), y).backward())
+    ui.print(f"forward + backward: {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
+             f"checkpointed ({t_ckpt / t_plain - 1:+.0%}: the recomputed forward)")
+
+    # Step 9: bf16 autocast
+    # Matmuls run in bfloat16 (2 bytes) while LayerNorm and the loss stay in float32.
+    ui.step(9, "bf16 autocast")
+    with SavedTensors(model) as bf16, torch.autocast(device.type, dtype=torch.bfloat16):
+        loss_bf16 = T.loss_fn(model(x), y)
+    ui.print(f"activations: {mib(plain.bytes)} fp32 -> {mib(bf16.bytes)} under bf16 autocast "
+             f"(+ {mib(bf16.weight_copy_bytes)} of bf16 weight copies autocast saved too)")
+    ui.print(f"loss: {loss_plain.item():.6f} fp32, {loss_bf16.item():.6f} bf16 "
+             f"(difference {abs(loss_bf16.item() - loss_plain.item()):.1e})")
+
+    # Step 10: Count the collectives
+    # One training step of a fresh split model, each collective recorded with the block that
+    # called it, forward or backward, and its bytes (apparatus/tensor_parallel.py).
+    ui.step(10, "Count the collectives")
+    counts = A.count_step(split_model, rank, world, args, device, ui)
+
+    # Step 11: The sequence-parallel mistake
+    # With the sequence split, each rank's LayerNorm gradient comes from its own tokens only:
+    # forget to sum it over the ranks, and every rank steps with a part of the gradient.
+    ui.step(11, "The sequence-parallel mistake")
+    mistake = A.sequence_parallel_mistake(parallelize_by_hand, rank, world, args, device, ui)
+    teardown()  # nothing below talks to the other ranks
+    if rank != 0:
+        return  # rank 0 compares and saves: the weights it gathered are everyone's
+
+    # Step 12: Save the results
+    # Every Part 2 lesson compares its final.pt with this one (within 1e-3).
+    ui.step(12, "Save the results")
+    diff, chunk_floor = A.compare_with_13(final_state, args.seed, args.steps, world, ui)  # max |w - w_13|
+    folder = out_dir("17", args.out)
+    samples = args.steps * T.GLOBAL_BATCH
+    save_results(folder, final_state, make_metrics(
+        lesson="17", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
+        final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
+        seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
+        loss_floor=floor, memory_bytes={**held, "activations": plain.bytes},
+        activations_checkpointed_bytes=ckpt.bytes, activations_bf16_bytes=bf16.bytes,
+        checkpointed_losses=ckpt_losses, loss_bf16=loss_bf16.item(),
+        seconds_forward_backward={"plain": t_plain, "checkpointed": t_ckpt}, impl=args.impl,
+        sequence_parallel=args.sequence_parallel, **A.metrics(counts, mistake, diff, chunk_floor)))
+    ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
+             f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
+
+
+if __name__ == "__main__":
+    run(main)
