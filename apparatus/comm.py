@@ -223,16 +223,18 @@ def record_training(wrapped, model, optimizer, batches, loss_fn, finish=None,
     return log.summary(max(1, steps)), state
 
 
-def compare(strategies: dict, make_model, make_optimizer, batch, loss_fn, steps: int,
+def compare(strategies: dict, make_model, make_optimizer, batch, loss_fn, steps,
             warmup: int = 1) -> dict:
     """{name: (summary, final weights)}: for each name -> wrap(model) in `strategies`, a fresh
-    make_model() wrapped, trained `steps` steps on batch(step) by record_training()."""
+    make_model() wrapped, trained on batch(0), batch(1), ... by record_training(), for
+    `steps` steps (one number for all, or a list: one per strategy, in order)."""
     results = {}
-    for name, wrap in strategies.items():
+    counts = steps if isinstance(steps, (list, tuple)) else [steps] * len(strategies)
+    for (name, wrap), n in zip(strategies.items(), counts):
         model = make_model()
         wrapped = wrap(model)
         results[name] = record_training(
-            wrapped, model, make_optimizer(model), (batch(s) for s in range(steps)), loss_fn,
+            wrapped, model, make_optimizer(model), (batch(s) for s in range(n)), loss_fn,
             getattr(wrapped, "finish_gradient_synchronization", None), warmup)
         del wrapped  # a DDP reducer holds the process group: free it before the next one
     return results

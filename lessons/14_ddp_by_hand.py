@@ -34,7 +34,7 @@ from common.cli import fail, lesson_parser, positive_float, positive_int, run, s
 from common.device import backend_for, plan_device, rank_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
 from common.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
-from common.ui import UI, Timer
+from common.ui import UI, Timer, share_terminal_with_children
 
 
 def parse_args():
@@ -103,6 +103,7 @@ def main() -> None:
         fail(f"--world-size must divide the {T.GLOBAL_BATCH} rows of a batch: use 1, 2, 3, 4, 6, 8, ...")
     kind, note = plan_device(args.device, args.world_size)  # one GPU per rank, or the CPU
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
+    share_terminal_with_children()  # --step: rank 0 asks on this terminal (lesson 05)
     spawn(worker, (args.world_size, args, kind, note), args.world_size)
 
 
@@ -250,10 +251,9 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui.step(10, "Count the all-reduces, compare the weights")
     mb, make = args.bucket_mb, lambda: T.make_model(args.seed).to(device)  # noqa: E731
     local = lambda s: [T.shard(t, rank, world).to(device) for t in T.batch(s, args.seed)]  # noqa: E731
-    runs = compare({"HandDDP per parameter": HandDDP, f"HandDDP {mb:g} MiB": lambda m: HandDDP(m, mb)},
-                   make, T.make_optimizer, local, T.loss_fn, 7)  # a warm-up step, then 6
-    runs |= compare({f"torch DDP {mb:g} MiB": lambda m: counted_ddp(m, bucket_cap_mb=mb)},
-                    make, T.make_optimizer, local, T.loss_fn, args.steps)
+    runs = compare({"HandDDP per parameter": HandDDP, f"HandDDP {mb:g} MiB": lambda m: HandDDP(m, mb),
+                    f"torch DDP {mb:g} MiB": lambda m: counted_ddp(m, bucket_cap_mb=mb)},
+                   make, T.make_optimizer, local, T.loss_fn, [7, 7, args.steps])  # 1 warm-up step
     ui.table("All-reduces per step, on rank 0", COLUMNS, table_rows(runs))
     diff_torch = max_abs_diff(final_state, runs[f"torch DDP {mb:g} MiB"][1])
     teardown()  # nothing below talks to the other ranks
