@@ -412,15 +412,14 @@ def same_cores_line(n: int, r: dict, same: dict) -> str:
                         "than one process's own threads did.",
                         "在这里，把批次分给多个进程，比一个进程用自己的线程更充分地利用了这些核心。")
     if o < 0:
-        return head + L(" Here one process's own threads used the same cores better: part of "
-                        "the speedup over one rank above is simply more cores, and DDP's "
-                        "communication costs the rest.",
-                        "在这里，一个进程用自己的线程更好地利用了同样的核心：上面相对单个秩的加速，"
-                        "有一部分只是因为核心更多，其余则被 DDP 的通信抵消了。")
-    return head + L(" The speedup over one rank above is what the extra cores give; on these "
-                    "cores DDP's processes did no better and no worse than one process's threads.",
-                    "上面相对单个秩的加速，来自多出来的核心；在这些核心上，DDP 的多个进程与一个进程的"
-                    "多个线程相比，既不更好，也不更差。")
+        return head + L(" Here one process's own threads used the same cores better than "
+                        "the ranks did, which have to communicate as well as compute.",
+                        "在这里，一个进程用自己的线程更好地利用了同样的核心；各个秩除了计算还要通信。")
+    return head + L(" On these cores DDP's processes did no better and no worse than one "
+                    "process's threads: compare with one rank above only knowing that it had "
+                    "fewer cores.",
+                    "在这些核心上，DDP 的多个进程与一个进程的多个线程相比，既不更好，也不更差："
+                    "与上面单个秩的比较，要记住单个秩用的核心更少。")
 
 
 def efficiency_lines(ddp: dict, one: dict | None, cores: int) -> list[str]:
