@@ -5,44 +5,38 @@ and one where rank 1 stops early (--skip-rank 1) with a 5 s timeout. The tests r
 traces and the dumps themselves, with their own few lines of code, and compare.
 """
 import json
-import os
 import re
-import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
 from common import recipe
-from conftest import ROOT, import_lesson, lesson_path, load_run, max_abs_diff, parse_error
+from conftest import (import_lesson, lesson_path, load_run, max_abs_diff, parse_error,
+                      run_with_line_times)
 
 SKIP_TIMEOUT = 5
 
 
-def _start(out, *flags):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(lesson_path("20")), "--out", str(out), *flags],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, env=env)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Both runs at once (threads), each line of output with the second it appeared."""
     base = tmp_path_factory.mktemp("lesson20")
-    start = time.monotonic()
-    procs = {"normal": _start(base / "normal", "--epochs", "1"),
-             "skip": _start(base / "skip", "--epochs", "1", "--skip-rank", "1",
-                            "--timeout", str(SKIP_TIMEOUT))}
+    flags = {"normal": ["--epochs", "1"],
+             "skip": ["--epochs", "1", "--skip-rank", "1", "--timeout", str(SKIP_TIMEOUT)]}
     done = {}
-    for name, proc in procs.items():
-        try:
-            out, err = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for p in procs.values():
-                p.kill()
-            pytest.fail(f"lesson 20 ({name}) did not end within 120 s")
-        done[name] = {"rc": proc.returncode, "out": out, "err": err, "folder": base / name,
-                      "seconds": time.monotonic() - start}
+
+    def one(name):
+        cmd = [sys.executable, str(lesson_path("20")), "--out", str(base / name), *flags[name]]
+        rc, lines, err = run_with_line_times(cmd, timeout=150)
+        done[name] = {"rc": rc, "lines": lines, "out": "".join(line for _, line in lines[:-1]),
+                      "err": err, "folder": base / name}
+
+    threads = [threading.Thread(target=one, args=(name,)) for name in flags]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return done
 
 
@@ -97,7 +91,11 @@ def test_each_rank_wrote_a_trace_and_the_printed_numbers_come_from_it(runs):
 
 def test_a_rank_that_skips_a_collective_is_named_from_the_dumps(runs):
     run = runs["skip"]
-    assert run["rc"] == 1 and run["seconds"] < 60, (run["rc"], run["seconds"])
+    assert run["rc"] == 1, run["err"][-3000:]
+    # the hang ends by itself: from the start of training to the exit, the 5 s timeout and
+    # the dumps, never the minutes a process group waits by default (gloo: 30 minutes)
+    training = next(t for t, line in run["lines"] if line.startswith("Step 6: Train"))
+    assert run["lines"][-1][1] == "<exit>" and run["lines"][-1][0] - training < 40
     assert not (run["folder"] / "final.pt").exists()  # nothing saved by a failed run
     dumps = {r: json.loads((run["folder"] / f"fr_rank_{r}.json").read_text()) for r in (0, 1)}
     seqs = {r: {e["collective_seq_id"]: e for e in d["entries"] if not e["is_p2p"]}
