@@ -223,7 +223,8 @@ def count_step(split_model, rank: int, world: int, args, device, ui) -> dict:
         for p, v in out["per_step_by_phase"].items()))
     local, full = out["split_param_bytes"]
     ui.print(f"the split weights: {local:,} bytes on this rank of {full:,} (1/{full // local}); "
-             f"embeddings, norms, head and row-parallel biases are whole on every rank")
+             f"embeddings, norms, head and row-parallel biases are whole on every rank" if local else
+             "one rank: nothing is split, every weight is whole (the collectives still run, on one rank)")
     return out
 
 
