@@ -7,7 +7,6 @@ flags and bad snapshots are one line at start-up. Every run here is bounded in t
 killed early: the whole file is meant to stay well under a minute and a half.
 """
 import errno
-import json
 import math
 import os
 import pickle
@@ -174,14 +173,18 @@ def test_lesson_05_second_job_and_sigint_to_the_parent_alone(tmp_path, cleanup):
     every = ranks | {job.proc.pid}
     held = listening(every)
     assert held and loopback_only(held), held  # the store: on 127.0.0.1 only
-    # a second job on the same port stops at once with one line, and leaves us alone
-    line = one_error_line(run([PY, "lessons/05_ddp_spawn.py", "--master-port", str(number),
-                               "--out", tmp_path / "second"], check=False, timeout=60))
-    assert f"port {number}" in line and "already in use" in line
-    # a second job on the same --out (another port) too
-    line = one_error_line(run([PY, "lessons/05_ddp_spawn.py", "--out", str(first)],
-                              check=False, timeout=60))
-    assert "in use by another job" in line and f"pid {job.proc.pid}" in line
+    # a second job on the same port stops at once with one line, and leaves us alone; so
+    # does one on the same --out (another port). Both started together, to save time.
+    same_port = subprocess.Popen([PY, "lessons/05_ddp_spawn.py", "--master-port", str(number),
+                                  "--out", str(tmp_path / "second")], cwd=ROOT, env=ENV,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    same_out = subprocess.Popen([PY, "lessons/05_ddp_spawn.py", "--out", str(first)], cwd=ROOT,
+                                env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for proc, expect in ((same_port, [f"port {number}", "already in use"]),
+                         (same_out, ["in use by another job", f"pid {job.proc.pid}"])):
+        stdout, stderr = proc.communicate(timeout=60)
+        line = one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+        assert all(e in line for e in expect), line
     assert job.proc.poll() is None and all(alive(p) for p in ranks)  # the first job still trains
     os.kill(job.proc.pid, signal.SIGINT)
     assert job.wait(20) == 130
@@ -288,15 +291,23 @@ def test_lesson_07_usage_error_is_not_restarted(tmp_path):
     assert "will restart" not in proc.stderr
 
 
-def test_out_that_is_a_file_fails_at_start_up(tmp_path):
+def test_out_that_is_a_file_or_too_long_fails_at_start_up(tmp_path, capsys):
+    """In-process: the launcher stops before starting any agent (so lesson 07 cannot burn
+    its restarts on it), and a lesson checks --out before it trains."""
+    from common import nodes
+    from common.results import claim_out
     blocker = tmp_path / "afile"
     blocker.write_text("x")
-    proc = run([*NODES, "--elastic", "--nnodes", "1", "--", "lessons/07_elastic.py", "--out",
-                blocker], check=False, timeout=60)
-    assert "is a file, not a folder" in one_error_line(proc)
-    long = tmp_path / ("x" * 300)
-    line = one_error_line(run([PY, "lessons/05_ddp_spawn.py", "--out", long], check=False, timeout=60))
-    assert "longer than 255 bytes" in line
+    for call in (lambda: nodes.main(["--elastic", "--nnodes", "1", "--", "lessons/07_elastic.py",
+                                     "--out", str(blocker)]),
+                 lambda: claim_out(tmp_path / ("x" * 300))):
+        with pytest.raises(SystemExit) as info:
+            call()
+        assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("error: ") for line in lines), lines
+    assert "is a file, not a folder" in lines[0] and "longer than 255 bytes" in lines[1]
+    assert not pids_mentioning(str(blocker))
 
 
 # --- in-process: flags, files, data ----------------------------------------------------------
