@@ -83,7 +83,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mine, row = self.shards[dist.get_rank()], rows.new_empty(self.size)
         dist.reduce_scatter_single(row, rows.view(-1))  # row `rank` of every rank, summed
         for p, grad in zip(mine, sharding.pieces(row / dist.get_world_size(), mine)):
-            p.grad = grad if p.grad is not None else None  # sum of N means -> the batch's mean
+            p.grad = grad.clone() if p.grad is not None else None  # sum of N means -> the mean
         self.optim.step()
         dist.all_gather_single(rows.view(-1), sharding.flat_row(mine, self.size, self.device))
         sharding.unflatten(rows, self.shards)  # every rank's updated parameters, to every rank
