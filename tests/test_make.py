@@ -52,3 +52,11 @@ def test_one_digit_lesson_number_means_that_lesson_and_no_number_is_one_line():
     assert "lessons/01_single_device.py" in out or "01_single_device" in out, out
     line = one_error_line(run(["make", "-s", "lesson-"], check=False))
     assert "make lesson-01" in line and all(n in line for n in lesson_numbers())
+
+
+def test_first_setup_shows_pips_progress():
+    """The first make lesson-01 installs torch for minutes: pip must not be silenced."""
+    text = (ROOT / "Makefile").read_text()
+    recipe = text.split("$(STAMP): requirements.txt", 1)[1].split("\n\n", 1)[0]
+    assert "pip install" in recipe and "--quiet" not in recipe and " -q " not in recipe
+    assert "--progress-bar on" in recipe
