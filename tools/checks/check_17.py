@@ -1,0 +1,77 @@
+"""Check exercise 17: f and g, the conjugate functions of tensor parallelism.
+
+The learner's parallel_mlp runs a small MLP (width 8, hidden 16) split over 2 and then 4 ranks
+on gloo: each rank holds its rows of fc (column-parallel) and the matching columns of proj
+(row-parallel). Every rank gets the same input; the output, the input's gradient and each
+shard's gradient are compared with one process running the whole MLP, and the collectives of
+one forward and one backward are counted (apparatus/tensor_parallel.py's counter).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+STARTER = "exercises/17_conjugate_functions.py"
+WIDTH, HIDDEN = 8, 16
+
+
+def _rank_17(rank: int, world: int, path: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    from apparatus.tensor_parallel import CountCollectives
+    from check_exercise import load
+
+    module = load(Path(path))
+    g = torch.Generator().manual_seed(0)  # the same whole MLP and input on every rank
+    fc_w, fc_b = torch.randn(HIDDEN, WIDTH, generator=g), torch.randn(HIDDEN, generator=g)
+    proj_w, proj_b = torch.randn(WIDTH, HIDDEN, generator=g), torch.randn(WIDTH, generator=g)
+    x = torch.randn(3, 5, WIDTH, generator=g)
+    whole = [t.clone().requires_grad_() for t in (x, fc_w, fc_b, proj_w, proj_b)]
+    out = F.linear(F.gelu(F.linear(whole[0], whole[1], whole[2])), whole[3], whole[4])
+    out.pow(2).sum().backward()
+    rows = slice(rank * HIDDEN // world, (rank + 1) * HIDDEN // world)
+    mine = [t.clone().requires_grad_() for t in (x, fc_w[rows], fc_b[rows], proj_w[:, rows], proj_b)]
+    with ModTracker() as tracker, CountCollectives(tracker, world) as counter:
+        ours = module.parallel_mlp(*mine)
+        ours.pow(2).sum().backward()
+    truth = [whole[0].grad, whole[1].grad[rows], whole[2].grad[rows], whole[3].grad[:, rows], whole[4].grad]
+    names = ["x", "fc_weight", "fc_bias", "proj_weight", "proj_bias"]
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731  (relative)
+    return {"out": rel(ours.detach(), out.detach()),
+            "grads": {n: rel(a.grad, b) if a.grad is not None else float("inf")
+                      for n, a, b in zip(names, mine, truth)},
+            "calls": [(phase, kind) for phase, _, kind, _ in counter.calls]}
+
+
+def check(path: Path) -> str:
+    """Output and every gradient as one process; one all-reduce each way."""
+    from check_exercise import NotYet, load, run_world
+
+    load(path)  # a file that does not import fails here, before any rank starts
+    for world in (2, 4):
+        ranks = run_world(world, _rank_17, (str(path),), path)
+        setup = f"with the MLP split over {world} ranks"
+        out = max(r["out"] for r in ranks)
+        if out > 1e-5:
+            raise NotYet(f"{setup}, the output is {out:.1e} (relative) away from one process's: each rank "
+                         f"holds only its part of proj's output. Which function must sum the "
+                         f"parts over the ranks in forward?")
+        worst = {n: max(r["grads"][n] for r in ranks) for n in ranks[0]["grads"]}
+        if worst["x"] > 1e-5:
+            raise NotYet(f"{setup}, the output is right but the input's gradient is "
+                         f"{worst['x']:.1e} (relative) away: each rank's gradient of x comes from its own "
+                         f"rows of fc only. Which function must sum them in backward?")
+        bad = [n for n, d in worst.items() if d > 1e-5]
+        if bad:
+            raise NotYet(f"{setup}, the gradients of {', '.join(bad)} are off (by up to "
+                         f"{max(worst[n] for n in bad):.1e}, relative): does a function sum in a direction "
+                         f"where it should pass the gradient through unchanged?")
+        calls = ranks[0]["calls"]
+        expected = [("forward", "all_reduce"), ("backward", "all_reduce")]
+        if sorted(calls) != sorted(expected):
+            raise NotYet(f"{setup}, the numbers are right, but rank 0 made these collectives: "
+                         f"{calls or 'none'}; tensor parallelism needs exactly one all-reduce in "
+                         f"forward (g) and one in backward (f)")
+    return ("on 2 and 4 ranks the split MLP gives one process's output and gradients, with one "
+            "all-reduce in forward (g) and one in backward (f)")
