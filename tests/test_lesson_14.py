@@ -130,8 +130,18 @@ def _train_tied(rank: int, world: int) -> dict:
     return results
 
 
-def test_hand_ddp_broadcasts_skips_frozen_and_reduces_tied_weights_once():
-    ranks = run_world(3, _train_tied, (), ROOT / "lessons" / "14_ddp_by_hand.py")
+def _three_ranks(rank: int, world: int) -> dict:
+    """One 3-rank world feeds two tests: the tied model, then the transformer."""
+    return {"tied": _train_tied(rank, world), "transformer": _train_transformer(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return run_world(3, _three_ranks, (), ROOT / "lessons" / "14_ddp_by_hand.py")
+
+
+def test_hand_ddp_broadcasts_skips_frozen_and_reduces_tied_weights_once(three_ranks):
+    ranks = [r["tied"] for r in three_ranks]
     for mode in ("per parameter", "buckets"):
         for r in ranks:
             assert max_abs_diff(r[mode]["start"], ranks[0][mode]["start"]) == 0.0  # rank 0's
@@ -158,11 +168,11 @@ def _train_transformer(rank: int, world: int) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_three_and_four_ranks_end_with_lesson_13s_weights(world, reference_13):
-    ranks = run_world(world, _train_transformer, (), ROOT / "lessons" / "14_ddp_by_hand.py")
-    assert all(max_abs_diff(r, ranks[0]) == 0.0 for r in ranks)  # every rank took the same steps
-    assert max_abs_diff(ranks[0], reference_13["state"]) <= 1e-3  # Part 2's bound
+def test_three_and_four_ranks_end_with_lesson_13s_weights(three_ranks, reference_13):
+    four = run_world(4, _train_transformer, (), ROOT / "lessons" / "14_ddp_by_hand.py")
+    for ranks in ([r["transformer"] for r in three_ranks], four):
+        assert all(max_abs_diff(r, ranks[0]) == 0.0 for r in ranks)  # the same steps everywhere
+        assert max_abs_diff(ranks[0], reference_13["state"]) <= 1e-3  # Part 2's bound
 
 
 def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
