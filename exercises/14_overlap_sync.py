@@ -10,10 +10,10 @@ Your task: start each all-reduce from a hook during backward (asynchronously), a
 finish_gradient_synchronization() only wait for them and average. Keep it correct for
 parameters that do not require a gradient (skip them) and for a weight shared by two layers
 (reduce it once: its hook fires once per backward, after both layers' gradients are added).
-Hint: lesson 14, Steps 2 and 3 (Tensor.register_post_accumulate_grad_hook,
+Hint: docs/14_ddp_by_hand.md, "The wrapper: HandDDP" (Tensor.register_post_accumulate_grad_hook,
 dist.all_reduce(..., async_op=True) and the Work object it returns).
 
-Check it:  make check-14   (2 and 3 ranks on gloo, a small model with a tied weight and a
+Check it:  make check-14   (3 ranks on gloo, a small model with a tied weight and a
                             frozen layer, 3 optimizer steps, compared with torch's DDP)
 """
 import torch
