@@ -286,18 +286,19 @@ def supervise():
             yield
         except KeyboardInterrupt as exc:
             stop_processes(mp.active_children())
-            restore_terminal()
+            restore_terminal(end_line=True)
             name, code = signal_name(exc)
             fail(f"interrupted ({name}): every rank was stopped; nothing was saved for this run",
                  code=code)
 
 
-def restore_terminal() -> None:
-    """Show the cursor again: a rank killed while rich drew its progress bar leaves it hidden."""
+def restore_terminal(end_line: bool = False) -> None:
+    """Show the cursor again: a rank killed while rich drew its progress bar leaves it hidden
+    (and, with end_line, the bar's line unfinished: start the next message on a new line)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             if stream.isatty():
-                stream.write("\x1b[?25h")
+                stream.write("\x1b[?25h" + ("\n" if end_line else ""))
                 stream.flush()
                 return
 

@@ -326,7 +326,7 @@ def main(argv: list[str]) -> None:
         except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (Stopped)
             quiet.set()
             stop_all(procs)
-            restore_terminal()
+            restore_terminal(end_line=True)
             name, code = signal_name(exc)
             fail(f"interrupted ({name}): every node and worker was stopped; nothing was saved "
                  f"for this run", code=code)

@@ -57,6 +57,38 @@ class Job:
         return self.proc.wait(timeout=timeout)
 
 
+class TerminalJob(Job):
+    """A job whose stdout and stderr are a pseudo-terminal, as in a learner's shell: rich
+    draws its live progress bar there and hides the cursor while it does."""
+
+    def __init__(self, cmd, folder: Path, name: str):
+        import pty
+        master, slave = pty.openpty()
+        self.raw = b""
+        self.proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdin=subprocess.DEVNULL,
+                                     stdout=slave, stderr=slave, env={**ENV, "TERM": "xterm-256color"},
+                                     start_new_session=True)
+        os.close(slave)
+
+        def drain():  # read everything, or the job would block on a full terminal
+            while True:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                self.raw += chunk
+            os.close(master)
+        self.reader = threading.Thread(target=drain, daemon=True)
+        self.reader.start()
+
+    def stdout(self) -> str:
+        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", self.raw.decode(errors="replace"))
+
+    stderr = stdout
+
+
 def all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
@@ -209,11 +241,13 @@ def test_lesson_05_parent_killed_with_sigkill_takes_its_ranks(tmp_path, cleanup)
 # --- lessons 06 and 07: common.nodes and torchrun -----------------------------------------------
 
 def test_lesson_06_sighup_to_the_launcher_stops_every_agent_and_worker(tmp_path, cleanup):
+    """In a terminal: afterwards no process of the job is left, and the cursor that rank 0's
+    progress bar hid is shown again."""
     out = tmp_path / "run06"
-    job = Job([*NODES, "--nnodes", "2", "--nproc-per-node", "1", "--",
+    job = TerminalJob([*NODES, "--nnodes", "2", "--nproc-per-node", "1", "--",
                "lessons/06_torchrun_multinode.py", "--epochs", "400", "--out", out], tmp_path, "a")
     cleanup.append(job)
-    job.wait_for("Step 4: Train with DDP", timeout=90)
+    job.wait_for("epoch  1 |", timeout=90)  # training, with rank 0's progress bar drawn
     everyone = pids_mentioning(str(out)) | table_pids(job.stdout())
     assert len(everyone) >= 5  # launcher, 2 agents, 2 workers
     held = listening(everyone)
@@ -222,8 +256,11 @@ def test_lesson_06_sighup_to_the_launcher_stops_every_agent_and_worker(tmp_path,
     assert job.wait(30) == 129
     assert not gone_within(everyone, 5)
     assert not pids_mentioning(str(out))
+    job.reader.join(5)
     assert job.stderr().strip().splitlines()[-1].startswith("error: interrupted (SIGHUP)")
     assert not (out / "final.pt").exists()
+    hidden, shown = job.raw.rfind(b"\x1b[?25l"), job.raw.rfind(b"\x1b[?25h")
+    assert hidden >= 0 and shown > hidden, "the terminal's cursor was left hidden"
 
 
 def test_lesson_06_names_the_rank_that_was_killed(tmp_path, cleanup):
