@@ -1,0 +1,396 @@
+"""Lesson 19's companion: the planner's formulas, and the instruments that check them.
+
+The planner (no processes, no GPU): for a model (parameters, layers, hidden size, sequence
+length, micro-batch, micro-batches per step), a GPU count and a GPU memory size, the bytes
+each GPU holds and sends per step under DDP, ZeRO-1/2/3, tensor parallel (TP), pipeline
+parallel (PP) and their combinations. Every formula is one the lessons taught:
+
+    memory (lesson 13, the ZeRO paper): fp32 AdamW 4 + 4 + 8 bytes per parameter;
+        mixed precision 2 (bf16 weights) + 2 (bf16 gradients) + 12 (fp32 master, exp_avg,
+        exp_avg_sq). TP keeps 1/T of every split tensor, PP 1/P of the layers; then ZeRO-1
+        divides the 12 (or 8) by D, ZeRO-2 the gradients too, ZeRO-3 everything (lesson 15).
+    data parallel (lessons 10, 15): all-reduce 2(D-1)/D of the gradients (DDP, and ZeRO-1/2:
+        reduce-scatter + all-gather, (D-1)/D each); ZeRO-3 all-gathers the weights in forward
+        and again in backward and reduce-scatters the gradients: 3(D-1)/D.
+    tensor parallel (lesson 17): per block, two all-reduces of the activations (b, s, h) in
+        forward and two in backward, 2(T-1)/T each, per micro-batch.
+    pipeline parallel (lesson 18): each micro-batch's activations (b, s, h) go to the next
+        stage and their gradient comes back (point to point); idle share (p-1)/(m+p-1).
+    activations (an estimate, lesson 13's checkpointing): with every block checkpointed, a
+        stage keeps each block's input, b * s * h * 2 bytes (bf16), for every micro-batch in
+        flight (1 without PP; p on 1F1B's first stage), divided by T (sequence parallel).
+
+The instruments (inside lesson 19's job, on every rank):
+
+    show_mesh(ui, mesh)              the mesh, and each rank's dp and tp groups
+    CountByDim(mesh)                 a TorchDispatchMode: every collective, by mesh dimension
+    report_dims(ui, counter, ...)    bytes per step per dimension, measured beside the planner,
+                                     and what they would cost at assumed bandwidths
+    check_memory(ui, held, ...)      bytes this rank holds beside the planner
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Assumptions, not measurements: typical published per-GPU figures, in bytes per second.
+NVLINK = 450e9     # inside a node: NVLink 4 (H100 SXM), about 450 GB/s each way per GPU
+INFINIBAND = 50e9  # between nodes: one 400 Gb/s InfiniBand NIC per GPU, about 50 GB/s
+MIXED = (2, 2, 12)  # bytes per parameter: weights, gradients, optimizer state (ZeRO paper)
+FP32 = (4, 4, 8)
+
+
+def ring(n: int) -> float:
+    """Share of S a rank sends in a ring all-gather or reduce-scatter: (N-1)/N."""
+    return (n - 1) / n
+
+
+def bubble(p: int, m: int) -> float:
+    """GPipe's and 1F1B's idle share: (p-1)/(m+p-1) for p stages and m micro-batches."""
+    return (p - 1) / (m + p - 1)
+
+
+@dataclass
+class Model:
+    params: float           # parameters
+    layers: int             # transformer blocks
+    hidden: int             # model width h
+    seq: int                # tokens per sequence s
+    micro_batch: int = 1    # sequences per micro-batch b
+    microbatches: int = 8   # micro-batches per optimizer step on each data-parallel rank
+    replicated: float = 0   # parameters tensor parallel leaves whole (norms, ...)
+
+
+@dataclass
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0           # 0: DDP; 1, 2, 3: ZeRO stage across dp
+
+    @property
+    def name(self) -> str:
+        dp = f"{['DDP', 'ZeRO-1', 'ZeRO-2', 'ZeRO-3'][self.zero]} {self.dp}" if self.dp > 1 else ""
+        parts = [f"TP {self.tp}" if self.tp > 1 else "", f"PP {self.pp}" if self.pp > 1 else "", dp]
+        return " x ".join(p for p in parts if p) or "1 GPU"
+
+
+def memory(model: Model, lay: Layout, per_param=MIXED) -> dict[str, float]:
+    """Bytes of weights, gradients and optimizer state on one GPU."""
+    local = ((model.params - model.replicated) / lay.tp + model.replicated) / lay.pp
+    w, g, o = (b * local for b in per_param)
+    if lay.zero >= 1:
+        o /= lay.dp
+    if lay.zero >= 2:
+        g /= lay.dp
+    if lay.zero >= 3:
+        w /= lay.dp
+    return {"parameters": w, "gradients": g, "optimizer_state": o}
+
+
+def activations(model: Model, lay: Layout, element: int = 2) -> float:
+    """Estimate: checkpointed block inputs of the micro-batches in flight (see the docstring)."""
+    inflight = min(lay.pp, model.microbatches) if lay.pp > 1 else 1
+    per_block = model.micro_batch * model.seq * model.hidden * element / lay.tp
+    return model.layers / lay.pp * per_block * inflight
+
+
+def comm(model: Model, lay: Layout, element: int = 2, group_bytes: list[float] | None = None) -> dict[str, float]:
+    """Bytes one GPU sends per optimizer step, per dimension ("dp", "tp", "pp").
+
+    group_bytes: for ZeRO-3, the bytes of each FSDP group's weights on a rank before the dp
+    split; the last one is the root, which FSDP2 does not gather again in backward (lesson 19
+    measures it). Without it, every weight is gathered twice (large models: the same)."""
+    local = ((model.params - model.replicated) / lay.tp + model.replicated) / lay.pp * element
+    act = model.micro_batch * model.seq * model.hidden * element  # one micro-batch, one tensor
+    steps = model.microbatches
+    out = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
+    if lay.zero < 3:
+        out["dp"] = 2 * ring(lay.dp) * local
+    elif group_bytes:
+        out["dp"] = ring(lay.dp) * (3 * sum(group_bytes[:-1]) + 2 * group_bytes[-1])
+    else:
+        out["dp"] = 3 * ring(lay.dp) * local
+    out["tp"] = model.layers / lay.pp * 4 * 2 * ring(lay.tp) * act * steps
+    out["pp"] = (2 if lay.pp > 2 else 1) * act * steps if lay.pp > 1 else 0.0  # a middle stage
+    return out
+
+
+# --- the plan table -----------------------------------------------------------------------
+
+def layouts(gpus: int, per_node: int) -> list[Layout]:
+    """Data parallel alone, then TP inside a node (and PP across nodes) with DP over the rest."""
+    out = [Layout(dp=gpus, zero=z) for z in range(4)]
+    tp = min(per_node, gpus)
+    if tp > 1:
+        out += [Layout(tp=tp, dp=gpus // tp, zero=z) for z in (1, 3)] if gpus > tp else [Layout(tp=tp)]
+        out.append(Layout(tp=tp // 2, dp=gpus // (tp // 2), zero=3) if tp >= 4 else Layout())
+    if gpus >= 4:
+        out.append(Layout(pp=min(4, gpus), dp=gpus // min(4, gpus), zero=1))
+    if gpus >= 2 * per_node > 1:  # tensor parallel across two nodes: what not to do
+        out.append(Layout(tp=2 * per_node, dp=gpus // (2 * per_node), zero=3))
+    if gpus > per_node and per_node > 1:
+        pp = min(4, gpus // per_node)
+        out.append(Layout(tp=per_node, pp=pp, dp=gpus // (per_node * pp), zero=1))
+    return [lay for lay in out if lay.dp * lay.tp * lay.pp == gpus]
+
+
+def crosses_nodes(lay: Layout, per_node: int) -> dict[str, bool]:
+    """Ranks are numbered tp fastest, then dp, then pp (tp groups are neighbours)."""
+    inner = lay.tp * lay.dp
+    return {"tp": lay.tp > per_node, "dp": inner > per_node and lay.dp > 1,
+            "pp": lay.pp > 1 and inner * lay.pp > per_node}
+
+
+def plan_rows(model: Model, gpus: int, gpu_gb: float, per_node: int) -> list[list[str]]:
+    rows = []
+    for lay in layouts(gpus, per_node):
+        mem = sum(memory(model, lay).values())
+        act = activations(model, lay)
+        sent = comm(model, lay)
+        cross = crosses_nodes(lay, per_node)
+        seconds = sum(b / (INFINIBAND if cross[d] else NVLINK) for d, b in sent.items())
+        total = (mem + act) / 1e9
+        rows.append([lay.name, f"{mem / 1e9:,.1f}", f"{act / 1e9:,.1f}",
+                     f"{total:,.1f}" + ("" if total <= gpu_gb else " NO"),
+                     " ".join(f"{d} {b / 1e9:,.1f}" for d, b in sent.items() if b) or "-",
+                     " ".join(d for d, c in cross.items() if c) or "none",
+                     f"{seconds:,.2f}", f"{bubble(lay.pp, model.microbatches):.0%}" if lay.pp > 1 else "-"])
+    return rows
+
+
+COLUMNS = ["layout", "state GB", "act. GB", "total GB", "GB sent", "off-node", "comm s", "bubble"]
+
+
+def add_plan_flags(parser) -> None:
+    parser.add_argument("--plan", type=float, default=None, metavar="PARAMS",
+                        help="print the planner's table for a model of PARAMS parameters (e.g. 7e9) and exit")
+    parser.add_argument("--gpus", type=int, default=8, help="--plan: GPUs in the job")
+    parser.add_argument("--gpu-gb", type=float, default=80, help="--plan: memory of one GPU in GB")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="--plan: GPUs per node")
+    parser.add_argument("--layers", type=int, default=32, help="--plan: transformer blocks")
+    parser.add_argument("--hidden", type=int, default=4096, help="--plan: model width")
+    parser.add_argument("--seq-len", type=int, default=4096, help="--plan: tokens per sequence")
+    parser.add_argument("--micro-batch", type=int, default=1, help="--plan: sequences per micro-batch")
+    parser.add_argument("--microbatches", type=int, default=8,
+                        help="--plan: micro-batches per step on each data-parallel rank")
+
+
+def check_plan_flags(args) -> str | None:
+    """The one-line problem with the --plan flags, or None."""
+    for flag in ("gpus", "gpus_per_node", "layers", "hidden", "seq_len", "micro_batch", "microbatches"):
+        if getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be at least 1"
+    if args.plan <= 0 or args.gpu_gb <= 0:
+        return "--plan and --gpu-gb must be positive, e.g. --plan 7e9 --gpus 8 --gpu-gb 80"
+    if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
+        return f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}"
+    return None
+
+
+def show_plan(ui, args) -> list[list[str]]:
+    model = Model(args.plan, args.layers, args.hidden, args.seq_len, args.micro_batch, args.microbatches)
+    ui.print(f"A model of {args.plan / 1e9:g}B parameters ({args.layers} blocks, width {args.hidden}, "
+             f"{args.seq_len} tokens, micro-batch {args.micro_batch} x {args.microbatches} per step) on "
+             f"{args.gpus} GPUs of {args.gpu_gb:g} GB, {args.gpus_per_node} per node; mixed precision "
+             f"AdamW (2 + 2 + 12 bytes per parameter), bf16 activations and gradients")
+    rows = plan_rows(model, args.gpus, args.gpu_gb, args.gpus_per_node)
+    ui.table("The plan: per GPU, per optimizer step", COLUMNS, rows)
+    ui.print("state: weights + gradients + AdamW; act.: checkpointed activations (an estimate); "
+             f"total: fits in {args.gpu_gb:g} GB or NO; GB sent: per dimension; off-node: dimensions "
+             "whose groups span nodes (ranks numbered tp fastest, then dp, then pp); bubble: PP idle "
+             "share (p-1)/(m+p-1)")
+    ui.print(f"comm s = bytes / bandwidth, with ASSUMED bandwidths (typical figures, not measured): "
+             f"{NVLINK / 1e9:.0f} GB/s per GPU inside a node (NVLink), {INFINIBAND / 1e9:.0f} GB/s "
+             f"per GPU between nodes (InfiniBand); no overlap with compute counted.")
+    return rows
+
+
+# --- the instruments inside the job -------------------------------------------------------
+
+def groups_of(mesh) -> dict[str, list[int]]:
+    """{"dp": the global ranks of my dp group, "tp": of my tp group}."""
+    import torch.distributed as dist
+    return {d: dist.get_process_group_ranks(mesh[d].get_group()) for d in ("dp", "tp")}
+
+
+def show_mesh(ui, mesh) -> None:
+    """The mesh (rows: dp coordinate, columns: tp), and every rank's two groups.
+    Also quiets DTensor's warning that gathering a 2-D weight for the full state dict at the
+    end takes two all-gathers: true, harmless here (once, at the end)."""
+    import torch.distributed as dist
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mesh.get_coordinate(), groups_of(mesh)))
+    ui.print(f"mesh {tuple(mesh.shape)} ('dp', 'tp'): {mesh.mesh.tolist()}  (row = one tp group, "
+             f"column = one dp group)")
+    ui.table("Who talks to whom", ["rank", "(dp, tp) coordinate", "dp group: FSDP2, same weight shard",
+                                   "tp group: activations, same batch rows"],
+             [[r, tuple(c), g["dp"], g["tp"]] for r, (c, g) in enumerate(everyone)])
+
+
+OPS = {  # dispatcher op -> (kind, index of S among the arguments, S is the input of a gather)
+    "c10d.allreduce_": ("all_reduce", lambda a: a[0][0]),
+    "c10d._allgather_base_": ("all_gather", lambda a: a[0]),
+    "c10d._reduce_scatter_base_": ("reduce_scatter", lambda a: a[1]),
+    "_c10d_functional.all_reduce": ("all_reduce", lambda a: a[0]),
+    "_c10d_functional.all_gather_into_tensor": ("all_gather", lambda a: a[0]),
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", lambda a: a[0]),
+}
+SHARE = {"all_reduce": lambda n: 2 * ring(n), "all_gather": ring, "reduce_scatter": ring}
+
+
+class CountByDim:
+    """with CountByDim(mesh) as c: ...  ->  c.calls: [(dim, kind, S bytes, sent bytes)].
+
+    A TorchDispatchMode sees both kinds of collective: FSDP2's (dist.* calls, the c10d ops,
+    which carry their process group) and DTensor's functional ones (which carry its name).
+    The group says the dimension."""
+
+    def __init__(self, mesh):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        import torch.distributed as dist
+        names = {mesh[d].get_group().group_name: d for d in ("dp", "tp")}
+        calls = self.calls = []
+
+        def dim_of(args):
+            for a in args:
+                if isinstance(a, str) and a in names:
+                    return names[a]
+                if isinstance(a, torch.ScriptObject):
+                    try:
+                        return names.get(dist.ProcessGroup.unbox(a).group_name, "other")
+                    except Exception:  # a ReduceOp, not a group
+                        continue
+            return "other"
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = str(func._overloadpacket)
+                if name in OPS:
+                    kind, data = OPS[name]
+                    dim = dim_of(args)
+                    t = data(args)
+                    size = t.numel() * t.element_size()
+                    n = mesh[dim].size() if dim in ("dp", "tp") else 1
+                    if kind == "all_gather" and name.startswith("_c10d"):
+                        size *= n  # the functional op is given the input; S is the output
+                    calls.append((dim, kind, size, SHARE[kind](n) * size))
+                return out
+
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+    def per_step(self, steps: int) -> dict[str, dict]:
+        out: dict = {}
+        for dim, kind, size, sent in self.calls:
+            d = out.setdefault(dim, {"calls": 0, "sent_bytes": 0.0})
+            d["calls"] += 1
+            d["sent_bytes"] += sent
+            d[kind] = d.get(kind, 0) + 1
+        return {dim: {k: v / steps for k, v in d.items()} for dim, d in out.items()}
+
+
+def recipe_model(dp: int) -> tuple[Model, list[float]]:
+    """The Part 2 recipe as the planner sees it (fp32: 4 bytes), and its FSDP groups' sizes."""
+    from common import transformer as T
+    split = ("attn.q", "attn.k", "attn.v", "mlp.fc", "attn.proj.weight", "mlp.proj.weight")
+    params = replicated = 0
+    for name, p in T.make_model().named_parameters():
+        params += p.numel()
+        replicated += 0 if any(s in name for s in split) else p.numel()
+    model = Model(params, T.N_BLOCKS, T.DIM, T.SEQ, T.GLOBAL_BATCH // dp, 1, replicated)
+    return model, replicated
+
+
+def recipe_groups(tp: int) -> list[float]:
+    """fp32 bytes of each FSDP group (the blocks, then the root) on a rank after TP's split."""
+    from common import transformer as T
+    split = ("attn.q", "attn.k", "attn.v", "mlp.fc", "attn.proj.weight", "mlp.proj.weight")
+    groups = [0.0] * (T.N_BLOCKS + 1)
+    for name, p in T.make_model().named_parameters():
+        i = int(name.split(".")[1]) if name.startswith("blocks.") else -1
+        groups[i] += 4 * p.numel() / (tp if any(s in name for s in split) else 1)
+    return groups
+
+
+def report_dims(ui, counter: CountByDim, steps: int, dp: int, tp: int) -> dict:
+    """Bytes this rank sent per step in each dimension, beside the planner's formula, and what
+    that would take on each kind of link (assumed bandwidths, not measured)."""
+    measured = counter.per_step(steps)
+    model, _ = recipe_model(dp)
+    formula = comm(model, Layout(dp=dp, tp=tp, zero=3), element=4, group_bytes=recipe_groups(tp))
+    rows = []
+    for dim in ("dp", "tp"):
+        m = measured.get(dim, {"calls": 0, "sent_bytes": 0.0})
+        kinds = ", ".join(f"{m[k]:g} {k}" for k in SHARE if m.get(k))
+        rows.append([dim, kinds or "none", f"{m['sent_bytes']:,.0f}", f"{formula[dim]:,.0f}",
+                     f"{m['sent_bytes'] / NVLINK * 1e6:,.2f}", f"{m['sent_bytes'] / INFINIBAND * 1e6:,.2f}"])
+    ui.table(f"Bytes rank 0 sent per step, by dimension (dp {dp} x tp {tp})",
+             ["dim", "collectives per step", "measured", "planner formula",
+              "us at 450 GB/s (NVLink, assumed)", "us at 50 GB/s (InfiniBand, assumed)"], rows)
+    return {"measured": measured, "formula": formula}
+
+
+def check_memory(ui, held: dict, dp: int, tp: int) -> dict:
+    """Bytes this rank holds (measured) beside the planner's fp32 formula for TP x ZeRO-3."""
+    import torch.distributed as dist
+    model, _ = recipe_model(dp)
+    formula = memory(model, Layout(dp=dp, tp=tp, zero=3), per_param=FP32)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, held)
+    ui.table(f"Bytes each rank holds, measured / planner (TP {tp} x ZeRO-3 {dp}, fp32)",
+             ["rank", "parameters", "gradients", "optimizer state"],
+             [[r] + [f"{h[k]:,} / {formula[k]:,.0f}" for k in formula] for r, h in enumerate(everyone)])
+    return {"measured": everyone, "formula": formula}
+
+
+def quiet_redistribute() -> None:
+    """Gathering a 2-D (FSDP x TP) weight for the full state dict makes DTensor warn that it
+    needs two all-gathers; true, harmless here (once, at the end): keep the output readable."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def metrics(comm: dict, memory_check: dict) -> dict:
+    """Lesson 15's metrics.json keys, for the 2-D run, and the per-dimension details."""
+    import torch.distributed as dist
+    measured = comm["measured"]
+    return {"comm_bytes_per_step": sum(d["sent_bytes"] for d in measured.values()),
+            "comm_formula_bytes": sum(comm["formula"].values()),
+            "comm_calls_per_step": sum(d["calls"] for d in measured.values()),
+            "comm_by_dim": measured, "comm_formula_by_dim": comm["formula"],
+            "strategy": "fsdp+tp", "reshard_after_forward": True,
+            "per_rank_bytes": memory_check["measured"][dist.get_rank()],
+            "per_rank_bytes_all": [{"measured": h, "formula": memory_check["formula"]}
+                                   for h in memory_check["measured"]]}
+
+
+def check_flags(args):
+    """Lesson 19's flags: the mesh must fit the recipe, the plan's numbers be sensible."""
+    from common import transformer as T
+    from common.cli import fail
+    if args.plan is not None:
+        if problem := check_plan_flags(args):
+            fail(problem)
+    elif T.GLOBAL_BATCH % args.dp or T.N_HEADS % args.tp or args.dp * args.tp > 8:
+        fail(f"--dp {args.dp} --tp {args.tp}: dp must divide the batch of {T.GLOBAL_BATCH} rows, "
+             f"tp the {T.N_HEADS} heads, and dp x tp be at most 8 ranks, e.g. --dp 2 --tp 2")
+    args.world_size = args.dp * args.tp  # what lesson 15's code calls the job's size
+    return args
+
+
+def device_note(note: str | None) -> str | None:
+    """plan_device's note, with lesson 19's flags in place of --world-size."""
+    if note and " (--world-size" in note:
+        return note.split(" (--world-size")[0] + " (fewer ranks, e.g. --dp 1 --tp 2, use the GPUs)"
+    return note
