@@ -44,8 +44,8 @@ def parse_args():
                         help="optimizer steps (one global batch each)")
     parser.add_argument("--seed", type=seed_number, default=T.SEED,
                         help="seed for the initial weights and the batches")
-    parser.add_argument("--impl", choices=["manual", "dtensor"], default="manual", help="by hand or DTensor")
-    parser.add_argument("--sequence-parallel", action="store_true", help="also split the sequence")
+    parser.add_argument("--impl", choices=["manual", "dtensor"], default="manual", help="split the layers by hand (Megatron-LM) or DTensor")
+    parser.add_argument("--sequence-parallel", action="store_true", help="also split norms and residuals along the sequence")
     return parser.parse_args()
 
 
