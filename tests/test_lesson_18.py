@@ -1,0 +1,202 @@
+"""Lesson 18: pipeline schedules. One 2-rank run of the lesson (1F1B, the default) and one
+4-rank run (zero-bubble, fewer steps) through its launcher feed most assertions; every schedule
+is also run for one batch on 2 and 4 ranks, its gradients against one process's; the timeline
+arithmetic of apparatus/pipeline.py is checked against the formula on its own."""
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from common import transformer as T
+from conftest import ROOT, import_lesson, load_run, max_abs_diff, one_error_line, parse_error, run_lesson
+
+sys.path.insert(0, str(ROOT / "tools"))
+from check_exercise import run_world  # noqa: E402  (the harness's way to start N ranks)
+
+from apparatus import pipeline as P  # noqa: E402
+
+M = 4  # the lesson's default --microbatches
+P4_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def lesson(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lesson18")
+    proc = run_lesson("18", "--device", "cpu", "--out", folder, timeout=300)
+    state, metrics = load_run(folder)
+    return proc.stdout, state, metrics, folder
+
+
+@pytest.fixture(scope="module")
+def lesson_p4(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lesson18p4")
+    proc = run_lesson("18", "--device", "cpu", "--world-size", 4, "--schedule", "zero-bubble",
+                      "--steps", P4_STEPS, "--out", folder, timeout=300)
+    state, metrics = load_run(folder)
+    return proc.stdout, state, metrics
+
+
+def test_ends_with_lesson_13s_weights_beside_the_floor(lesson, reference_13):
+    out, state, metrics, _ = lesson
+    diff = max_abs_diff(state, reference_13["state"])
+    floor = max_abs_diff(T.train_reference(chunks=M)["state"], reference_13["state"])
+    assert diff <= 1e-3, diff
+    assert metrics["max_abs_diff_vs_single_device"] == pytest.approx(diff, abs=1e-12)
+    assert metrics["max_abs_diff_floor"] == pytest.approx(floor, abs=1e-12)
+    assert f"max |w - w_13| = {diff:.1e} (floor {floor:.1e}: lesson 13 in {M} chunks)" in out
+    assert (metrics["world_size"], metrics["backend"], metrics["lesson"]) == (2, "gloo", "18")
+    # the loss of a step is the mean of its micro-batches' losses: the whole batch's, as lesson 13's
+    assert max(abs(a - b) for a, b in zip(metrics["losses"], reference_13["losses"].tolist())) < 1e-3
+
+
+def test_final_pt_loads_into_a_plain_model_under_lesson_13s_names(lesson):
+    _, state, _, _ = lesson
+    model = T.make_model()
+    assert list(state) == list(model.state_dict())  # same names, same order
+    model.load_state_dict(state)  # strict: nothing missing, nothing extra
+
+
+def test_four_ranks_zero_bubble_end_with_lesson_13s_weights(lesson_p4):
+    out, state, metrics = lesson_p4
+    reference = T.train_reference(steps=P4_STEPS)["state"]
+    assert max_abs_diff(state, reference) <= 1e-3
+    assert metrics["max_abs_diff_vs_single_device"] == pytest.approx(max_abs_diff(state, reference), abs=1e-12)
+    assert (metrics["world_size"], metrics["schedule"]) == (4, "zero-bubble")
+    # 8 stages for 4 pieces: every rank holds one piece, some stages hold nothing
+    assert "[rank 3] stage 3: nothing (passes its input on); stage 7: norm, head" in out
+    assert metrics["bubble_formula"] == pytest.approx(3 / 7)
+    s = metrics["schedules"]
+    assert s["gpipe"]["bubble_fraction"] == pytest.approx(3 / 7)
+    assert s["1f1b"]["bubble_fraction"] == pytest.approx(3 / 7)
+    assert s["gpipe"]["peak_inflight_microbatches"] == [M] * 4
+    assert s["1f1b"]["peak_inflight_microbatches"] == [4, 3, 2, 1]  # P - stage: at most P
+    assert metrics["bubble_fraction"] < s["interleaved"]["bubble_fraction"] < 3 / 7
+
+
+def test_metrics_hold_the_schedules_measurements(lesson):
+    _, _, metrics, _ = lesson
+    assert (metrics["schedule"], metrics["microbatches"]) == ("1f1b", M)
+    assert metrics["bubble_formula"] == pytest.approx(1 / (M + 1))
+    assert metrics["bubble_fraction"] == pytest.approx(1 / (M + 1))
+    assert metrics["peak_inflight_microbatches"] == [2, 1]  # about P, not M
+    s = metrics["schedules"]
+    assert s["gpipe"] == {"bubble_fraction": pytest.approx(1 / (M + 1)), "peak_inflight_microbatches": [M, M]}
+    assert len(s["interleaved"]["peak_inflight_microbatches"]) == 4  # two stages per rank
+    # Interleaving shrinks the bubble to (p-1)/(v*m+p-1) with v = 2 stages per rank
+    assert s["interleaved"]["bubble_fraction"] == pytest.approx(1 / (2 * M + 1))
+    assert s["zero-bubble"]["bubble_fraction"] < s["interleaved"]["bubble_fraction"]
+    json.dumps(metrics)  # plain JSON
+
+
+def test_prints_every_schedules_timeline_and_the_table(lesson):
+    out, _, metrics, folder = lesson
+    assert "[rank 0] stage 0: tok_emb, pos_emb, blocks.0" in out
+    assert "[rank 1] stage 1: blocks.1, norm, head" in out
+    # GPipe: all forwards, then all backwards (2 cells each); 1F1B alternates
+    assert "rank 0 | 0F0 0F1 0F2 0F3 ... ... ... 0B0 0B0 0B1 0B1" in out
+    assert "rank 1 | ... 1F0 1B0 1B0 1F1 1B1 1B1" in out
+    assert re.search(r"rank 1 \| .*3I0.*3W0", out)  # zero-bubble splits the backward in I and W
+    for name in ("gpipe", "1f1b", "interleaved", "zero-bubble"):
+        assert f"\n{name}: " in out
+        png = folder / f"timeline-{name}.png"
+        try:
+            import matplotlib  # noqa: F401
+            assert png.is_file() and png.stat().st_size > 1000
+        except ImportError:
+            assert not png.exists() and "matplotlib is not installed, so no PNG" in out
+    assert "│ 1f1b        │ 20.0%           │ 20.0%" in out
+
+
+def _grads_of_one_batch(rank: int, world: int) -> dict:
+    """Every schedule, one batch: this rank's gradients (under lesson 13's names)."""
+    lesson = import_lesson("18")
+    model = T.make_model()
+    x, y = T.batch(0)
+    out = {}
+    for name in lesson.SCHEDULES:
+        schedule, stages, parts = lesson.build_pipeline(name, model, rank, world, M, torch.device("cpu"))
+        losses = []
+        schedule.step(x, target=y, losses=losses)
+        out[name] = {k: p.grad.clone() for part in parts for k, p in part.named_parameters()}
+        out[name + " losses"] = torch.stack(losses) if losses else torch.zeros(0)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_gives_one_processs_gradients(world):
+    """The schedule divides the summed micro-batch gradients by M: the whole batch's mean."""
+    ranks = run_world(world, _grads_of_one_batch, (), ROOT / "lessons" / "18_pipeline_schedules.py")
+    model = T.make_model()
+    x, y = T.batch(0)
+    loss = T.loss_fn(model(x), y)
+    loss.backward()
+    for name in ("gpipe", "1f1b", "interleaved", "zero-bubble"):
+        grads = {k: g for r in ranks for k, g in r[name].items()}
+        assert sorted(grads) == sorted(k for k, _ in model.named_parameters()), name
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(grads[k], p.grad, atol=1e-6, rtol=1e-4, msg=f"{name}: {k}")
+        losses = ranks[-1][name + " losses"]  # the last rank holds the loss of every micro-batch
+        assert len(losses) == M and losses.mean().item() == pytest.approx(loss.item(), abs=1e-5)
+
+
+def _gpipe(p, m):
+    return {r: [(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(p)}
+
+
+def _one_f_one_b(p, m):
+    actions = {}
+    for r in range(p):
+        warm = min(p - 1 - r, m)
+        acts = [(r, "F", i) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [(r, "F", warm + i), (r, "B", i)]
+        actions[r] = acts + [(r, "B", i) for i in range(m - warm, m)]
+    return actions
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_timeline_idle_time_is_the_formula(p, m):
+    for actions in (_gpipe(p, m), _one_f_one_b(p, m)):
+        tl = P.timeline(actions)
+        assert max(end for _, _, end, _ in tl) == 3 * (m + p - 1)
+        assert P.idle_fraction(tl) == pytest.approx(P.bubble_formula(p, m))
+    lines = P.draw(P.timeline(_gpipe(p, m)))
+    assert len(lines) == p and lines[-1].startswith(f"rank {p - 1} | " + "... " * (p - 1) + f"{p - 1}F0")
+
+
+def test_timeline_refuses_actions_that_wait_forever():
+    with pytest.raises(RuntimeError, match="wait on each other forever"):
+        P.timeline({0: [(0, "F", 0), (0, "B", 0)], 1: [(1, "B", 0), (1, "F", 0)]})
+
+
+def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
+    module = import_lesson("18")
+    for flags, expect in ((["--schedule", "dualpipe"], "--schedule"), (["--microbatches", "0"], "--microbatches"),
+                          (["--world-size", "0"], "--world-size")):
+        assert expect in parse_error(module, flags, monkeypatch, capsys)
+    for flags, expect in ((["--world-size", "3"], "--world-size 3: use 2 or 4"),
+                          (["--microbatches", "5"], "--microbatches must divide the 48 rows"),
+                          (["--world-size", "4", "--microbatches", "2"], "fewer than the 4 stages")):
+        monkeypatch.setattr(sys, "argv", ["18_pipeline_schedules.py", *flags])
+        with pytest.raises(SystemExit) as exit_info:
+            module.main()
+        assert exit_info.value.code == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], lines
+
+
+def test_every_allowed_flag_combination_builds_every_schedule():
+    """flag_error's rule is the schedules' own: what it lets through, torch accepts."""
+    accepted = [(p, m) for p in (2, 4) for m in range(1, 49) if P.flag_error(p, m, T.GLOBAL_BATCH) is None]
+    assert (2, 4) in accepted and (4, 8) in accepted and (4, 12) in accepted
+    for p, m in accepted:
+        rounds = max(1, m // p)
+        assert T.GLOBAL_BATCH % m == 0 and m >= p and m % rounds == 0
+
+
+def test_unknown_world_size_through_make_is_one_line():
+    proc = run_lesson("18", "--world-size", "3", "--device", "cpu", check=False, timeout=60)
+    assert "--world-size 3: use 2 or 4" in one_error_line(proc)
