@@ -721,19 +721,26 @@ CHECKS = {
 
 CHECKS_DIR = Path(__file__).resolve().parent / "checks"
 sys.path.insert(0, str(CHECKS_DIR))
-for _file in sorted(CHECKS_DIR.glob("check_[0-9][0-9].py")):
-    _module = importlib.import_module(_file.stem)
-    CHECKS[_file.stem[-2:]] = (_module.STARTER, _module.check)
+
+
+def all_checks() -> dict:
+    """CHECKS plus one entry per tools/checks/check_NN.py. Found on first use, not at import,
+    so that a check file may itself import this harness at its top."""
+    for file in sorted(CHECKS_DIR.glob("check_[0-9][0-9].py")):
+        if file.stem[-2:] not in CHECKS:
+            module = importlib.import_module(file.stem)
+            CHECKS[file.stem[-2:]] = (module.STARTER, module.check)
+    return CHECKS
 
 
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help", "list"):
         print("Checked exercises (make check-NN [FILE=path]):")
-        for n, (starter, fn) in sorted(CHECKS.items()):
-            print(f"  make check-{n}   {starter}: {fn.__doc__.strip().splitlines()[0]}")
+        for n, (starter, fn) in sorted(all_checks().items()):
+            print(f"  make check-{n}   {starter}: {(fn.__doc__ or '(no description)').strip().splitlines()[0]}")
         return
     number = argv[0].zfill(2)
-    if number not in CHECKS:
+    if number not in all_checks():
         fail(f"lesson {number} has no checked exercise; these do: {' '.join(sorted(CHECKS))}")
     starter, check = CHECKS[number]
     path = Path(argv[1]) if len(argv) > 1 and argv[1] else ROOT / starter
