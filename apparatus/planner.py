@@ -339,6 +339,10 @@ def report_dims(ui, counter: CountByDim, steps: int, dp: int, tp: int) -> dict:
     ui.table(f"Bytes rank 0 sent per step, by dimension (dp {dp} x tp {tp})",
              ["dim", "collectives per step", "measured", "planner formula",
               "us at 450 GB/s (NVLink, assumed)", "us at 50 GB/s (InfiniBand, assumed)"], rows)
+    dp_sent, tp_sent = (measured.get(d, {}).get("sent_bytes", 0.0) for d in ("dp", "tp"))
+    if dp_sent and tp_sent:
+        ui.print(f"tp sent {tp_sent / dp_sent:.1f}x what dp sent; the link speeds are typical "
+                 f"figures, assumed, not measured here")
     return {"measured": measured, "formula": formula}
 
 
