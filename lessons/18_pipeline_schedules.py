@@ -6,7 +6,8 @@ New since lesson 13 (grown out of lesson 04's hand-made pipeline): the transform
 stages on P processes, run by torch.distributed.pipelining on M micro-batches per batch with
 GPipe, 1F1B, Interleaved1F1B or a zero-bubble schedule. Each schedule's timeline, drawn from
 the actions it ran; its idle time (the bubble) beside (p-1)/(m+p-1); the micro-batches a
-stage holds at once. It ends with lesson 13's weights. Then, as lesson 13, we count the memory, because
+stage holds at once. It ends with lesson 13's weights. Then, as lesson 13, we count the
+memory, because
 that is why anyone shards a model: parameters, gradients and AdamW state beside the formula
 (4 + 4 + 8 bytes per parameter), the activations autograd saves for backward, and two ways to
 shrink those: activation checkpointing per block and bf16 autocast.
@@ -19,12 +20,11 @@ Run:
 Doc: docs/18_pipeline_schedules.md
 """
 import copy
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
-
-import os
 
 import torch
 import torch.distributed as dist
