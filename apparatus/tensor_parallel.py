@@ -71,7 +71,7 @@ def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
 
 
 def split(x: torch.Tensor) -> torch.Tensor:
-    return x.chunk(dist.get_world_size(), 1)[dist.get_rank()]
+    return x.chunk(dist.get_world_size(), 1)[dist.get_rank()].contiguous()  # not a view of all of x
 
 
 # --- small helpers the lesson calls ---------------------------------------------------------
