@@ -390,6 +390,10 @@ def check_flags(args):
         fail(f"--dp {args.dp} --tp {args.tp}: dp must divide the batch of {T.GLOBAL_BATCH} rows, "
              f"tp the {T.N_HEADS} heads, and dp x tp be at most 8 ranks, e.g. --dp 2 --tp 2")
     args.world_size = args.dp * args.tp  # what lesson 15's code calls the job's size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.plan is None and args.device == "cuda" and 0 < gpus < args.world_size:
+        fail(f"--device cuda with --dp {args.dp} --tp {args.tp} needs {args.world_size} GPUs (one per "
+             f"rank), but {gpus} are visible; use fewer ranks (dp x tp <= {gpus}) or --device cpu")
     return args
 
 
