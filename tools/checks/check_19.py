@@ -29,6 +29,7 @@ def _rank_19(rank: int, world: int) -> dict:
 
 
 def check(path: Path) -> str:
+    """Each rank's dp and tp groups on 2x2, 1x4 and 4x1 meshes, as torch's DeviceMesh makes them."""
     from check_exercise import NotYet, load, run_world
 
     module = load(path)
