@@ -253,6 +253,17 @@ def sequence_parallel_mistake(parallelize_by_hand, rank: int, world: int, args, 
         g = model.blocks[0].norm1.weight.grad
         result["fixed" if fixed else "mistake"] = {
             "ratio": (g.norm() / truth.norm()).item(), "max_abs_diff": (g - truth).abs().max().item()}
+    # The same mistake in its other form: each rank's loss on its own tokens only (the sum
+    # over the ranks is kept): unless each loss is divided by N, the gradients are N times too big
+    mine = slice(rank * T.SEQ // world, (rank + 1) * T.SEQ // world)
+    for scaled in (False, True):
+        model = parallelize_by_hand(T.make_model(args.seed).to(device), rank, world, True)
+        loss = T.loss_fn(model(x)[:, mine], y[:, mine])
+        (loss / world if scaled else loss).backward()
+        _sync_sequence_parallel(model)
+        g = model.blocks[0].norm1.weight.grad
+        result["local_loss_scaled" if scaled else "local_loss_unscaled"] = {
+            "ratio": (g.norm() / truth.norm()).item(), "max_abs_diff": (g - truth).abs().max().item()}
     ratios = [None] * world
     dist.all_gather_object(ratios, result["mistake"]["ratio"])
     result["mistake_ratio_by_rank"] = ratios
@@ -261,4 +272,7 @@ def sequence_parallel_mistake(parallelize_by_hand, rank: int, world: int, args, 
              f"{', '.join(f'{r:.3f}x' for r in ratios)} without the sum over the ranks "
              f"(max |diff| {m['max_abs_diff']:.1e} on rank 0); {f['ratio']:.3f}x with it "
              f"(max |diff| {f['max_abs_diff']:.1e})")
+    ui.print(f"each rank's loss on its own {T.SEQ // world} tokens, summed over the ranks: "
+             f"{result['local_loss_unscaled']['ratio']:.3f}x (world size {world}); each loss "
+             f"divided by {world}: {result['local_loss_scaled']['ratio']:.3f}x")
     return result

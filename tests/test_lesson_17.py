@@ -68,6 +68,10 @@ def test_shows_the_sequence_parallel_mistake_and_its_fix(lesson):
     assert m["mistake"]["max_abs_diff"] > 1e-4
     assert m["fixed"]["ratio"] == pytest.approx(1, abs=1e-5)
     assert m["fixed"]["max_abs_diff"] < 1e-7
+    # the loss on each rank's own tokens: N times too big unless divided by N
+    assert m["local_loss_unscaled"]["ratio"] == pytest.approx(WORLD, rel=1e-5)
+    assert m["local_loss_scaled"]["ratio"] == pytest.approx(1, rel=1e-5)
+    assert m["local_loss_scaled"]["max_abs_diff"] < 1e-7
 
 
 def test_prints_the_steps_in_order(lesson):
