@@ -343,7 +343,8 @@ def report_dims(ui, counter: CountByDim, steps: int, dp: int, tp: int) -> dict:
     if dp_sent and tp_sent:
         ui.print(f"tp sent {tp_sent / dp_sent:.1f}x what dp sent; the link speeds are typical "
                  f"figures, assumed, not measured here")
-    return {"measured": measured, "formula": formula}
+    ddp = comm(model, Layout(dp=dp, tp=tp), element=4)["dp"]  # DDP across dp, for comparison
+    return {"measured": measured, "formula": formula, "ddp_formula": ddp}
 
 
 def check_memory(ui, held: dict, dp: int, tp: int) -> dict:
@@ -370,7 +371,7 @@ def metrics(comm: dict, memory_check: dict) -> dict:
     import torch.distributed as dist
     measured = comm["measured"]
     return {"comm_bytes_per_step": sum(d["sent_bytes"] for d in measured.values()),
-            "comm_formula_bytes": sum(comm["formula"].values()),
+            "comm_formula_bytes": sum(comm["formula"].values()), "ddp_comm_bytes": comm["ddp_formula"],
             "comm_calls_per_step": sum(d["calls"] for d in measured.values()),
             "comm_by_dim": measured, "comm_formula_by_dim": comm["formula"],
             "strategy": "fsdp+tp", "reshard_after_forward": True,
