@@ -21,6 +21,13 @@ def lesson():
     return load_lesson()
 
 
+@pytest.fixture(scope="module")
+def pipe():
+    """The lesson's companion: micro-batches, the schedule replay and the timeline."""
+    import apparatus.micro_batches
+    return apparatus.micro_batches
+
+
 def test_default_run_matches_lesson_01_and_pipelining_helps(tmp_path, reference_3_epochs):
     proc = run_lesson("04", "--out", tmp_path)
     state, metrics = load_run(tmp_path)
@@ -51,13 +58,13 @@ def test_default_run_matches_lesson_01_and_pipelining_helps(tmp_path, reference_
     piped0, piped1 = rows[2][1], rows[3][1]
     assert set("0123abcd") <= set(piped0 + piped1)
     steps = [int(n) for n in re.findall(r"^Step (\d+):", proc.stdout, re.M)]
-    assert steps == [1, 2, 3, 4, 5, 6, 7]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def test_schedule_matches_the_bubble_formula(lesson):
+def test_schedule_matches_the_bubble_formula(pipe):
     for m in (1, 2, 4, 8):
         seconds = {(kind, s, k): 1.0 for kind in "FB" for s in (0, 1) for k in range(m)}
-        plan = lesson.schedule(seconds, m)
+        plan = pipe.schedule(seconds, m)
         # GPipe with 2 equal stages: (m + 1) slots of forward, (m + 1) of backward
         assert plan["makespan"] == 2 * (m + 1)
         assert plan["idle_overall"] == pytest.approx(1 / (m + 1))
@@ -68,14 +75,14 @@ def test_schedule_matches_the_bubble_formula(lesson):
             assert plan["start"]["F", 0, 1] == plan["start"]["F", 1, 0]
 
 
-def test_unequal_stages_leave_the_fast_one_waiting(lesson):
+def test_unequal_stages_leave_the_fast_one_waiting(pipe):
     seconds = {("F", 0, k): 3.0 for k in range(4)} | {("B", 0, k): 3.0 for k in range(4)}
     seconds |= {("F", 1, k): 1.0 for k in range(4)} | {("B", 1, k): 1.0 for k in range(4)}
-    plan = lesson.schedule(seconds, 4)
+    plan = pipe.schedule(seconds, 4)
     assert plan["idle"][1] > 0.5 > plan["idle"][0]
 
 
-def test_split_model_is_the_mlp(lesson):
+def test_split_model_is_the_mlp(lesson, pipe):
     cpu = torch.device("cpu")
     whole = recipe.make_model(0)
     split = lesson.SplitMLP(recipe.make_model(0), cpu, cpu)
@@ -83,7 +90,7 @@ def test_split_model_is_the_mlp(lesson):
     x, y = torch.randn(24, recipe.FEATURES), torch.randint(0, recipe.CLASSES, (24,))
     assert torch.equal(split(x), whole(x))
     split.zero_grad()
-    loss, seconds = lesson.run_micro_batches(split, x, y, 3)
+    loss, seconds = pipe.run_micro_batches(split, x, y, 3)
     assert len(seconds) == 12 and all(v >= 0 for v in seconds.values())
     full = F.cross_entropy(whole(x), y)
     full.backward()
@@ -92,10 +99,10 @@ def test_split_model_is_the_mlp(lesson):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
 
 
-def test_timeline_marks(lesson):
+def test_timeline_marks(pipe):
     seconds = {(kind, s, k): 1.0 for kind in "FB" for s in (0, 1) for k in range(2)}
-    plan = lesson.schedule(seconds, 2)
-    rows = lesson.timeline(plan, 2, plan["makespan"], width=6)
+    plan = pipe.schedule(seconds, 2)
+    rows = pipe.timeline(plan, 2, plan["makespan"], width=6)
     assert rows == ["01..ba", ".01ba."]
 
 
