@@ -118,9 +118,13 @@ def _grads_of_one_batch(rank: int, world: int) -> dict:
     for name in lesson.SCHEDULES:
         schedule, stages, parts = lesson.build_pipeline(name, model, rank, world, M, torch.device("cpu"))
         losses = []
-        schedule.step(x, target=y, losses=losses)
+        with P.Recorder(stages) as rec:
+            schedule.step(x, target=y, losses=losses)
         out[name] = {k: p.grad.clone() for part in parts for k, p in part.named_parameters()}
         out[name + " losses"] = torch.stack(losses) if losses else torch.zeros(0)
+        out[name + " ran"] = [f"{s}{k}{i}" for s, k, i in rec.actions]
+        out[name + " planned"] = [str(a) for a in schedule.pipeline_order[rank] if a is not None
+                                  and a.computation_type.value in ("F", "B", "I", "W")]
     return out
 
 
@@ -139,6 +143,15 @@ def test_every_schedule_gives_one_processs_gradients():
             torch.testing.assert_close(grads[k], p.grad, atol=1e-6, rtol=1e-4, msg=f"{name}: {k}")
         losses = ranks[-1][name + " losses"]  # the last rank holds the loss of every micro-batch
         assert len(losses) == M and losses.mean().item() == pytest.approx(loss.item(), abs=1e-5)
+        # what the Recorder saw is the schedule's own plan (pipeline_order), action for action ...
+        for rank, r in enumerate(ranks):
+            if (name, rank) != ("1f1b", 3):
+                assert r[name + " ran"] == r[name + " planned"], (name, rank)
+    # ... except where torch 2.14.1's plan for 1F1B numbers the last rank's micro-batches from 1
+    # (docs/18, Going further); what runs starts at 0
+    ran, planned = ranks[3]["1f1b ran"], ranks[3]["1f1b planned"]
+    assert [a for a in ran if "F" in a] == [f"3F{i}" for i in range(M)]
+    assert [a for a in planned if "F" in a] == [f"3F{i}" for i in range(1, M + 1)]
 
 
 def _gpipe(p, m):
