@@ -119,9 +119,8 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     # q, k, v share one input: one DTensor at the attention, so backward all-reduces it once
     plan["blocks.*.attn"] = tp.PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=False)
     tp.parallelize_module(model, mesh["tp"], plan)
-    # ZeRO-3 across dp: each block one FSDP group, then the root (the rest)
     for module in (*model.blocks, model):
-        fully_shard(module, mesh=mesh["dp"])
+        fully_shard(module, mesh=mesh["dp"])  # ZeRO-3 across dp: each block, then the root
     sharding.show_shards(ui, model)
     train_model = model  # what the batches go through (lesson 15's DDP wrapped it)
     optimizer = T.make_optimizer(model)
@@ -135,8 +134,8 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     losses: list[float] = []
     timer = Timer()
     counter = planner.CountByDim(mesh)  # every collective, with the mesh dimension it used
-    dp_rank = mesh.get_local_rank("dp")  # my row of the mesh picks my rows of the batch:
-    log_every = max(1, args.steps // 5)  # the T ranks of a tp group all read the same rows
+    dp_rank = mesh.get_local_rank("dp")  # picks my rows of the batch: a tp group's ranks share them
+    log_every = max(1, args.steps // 5)
     with ui.progress(args.steps, "training") as bar, counter:
         for step in range(args.steps):
             x, y = T.batch(step, args.seed)
@@ -153,8 +152,7 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     wall = timer.seconds
     final_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     losses = sharding.mean_over_ranks(losses)
-    # tp all-reduces activations in every block, for every batch; dp moves weights and gradients
-    comm = planner.report_dims(ui, counter, args.steps, args.dp, args.tp)
+    comm = planner.report_dims(ui, counter, args.steps, args.dp, args.tp)  # tp: activations, dp: weights
 
     # Step 5: Evaluate against the floor
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
