@@ -138,7 +138,7 @@ def main() -> None:
     # a GPU. Every later lesson compares its own final.pt with this one.
     ui.step(8, "Save the results")
     folder = out_dir("04", args.out)
-    diff = None  # the same operations in the same order: lesson 01's weights (exactly, on one device)
+    diff = None  # the same operations in the same order: lesson 01's weights (exactly, on the CPU)
     if data.name == "synthetic":
         diff = max_abs_diff(plain_state_dict(model), recipe.train_reference(args.seed, args.epochs, data))
         ui.print(f"max |w_04 - w_01| = {diff:.1e} (lesson 01's loop, same seed and epochs)")

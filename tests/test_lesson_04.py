@@ -34,8 +34,9 @@ def test_default_run_matches_lesson_01_and_pipelining_helps(tmp_path, reference_
     diff = max_abs_diff(state, reference_3_epochs)
     assert diff <= 1e-4, diff
     if not TWO_GPUS:
-        assert diff == 0.0  # one device: the very same operations in the same order
         assert "both stages are placed on" in proc.stdout
+    if not torch.cuda.is_available():
+        assert diff == 0.0  # both stages on the CPU, like the reference: the very same operations
     assert f"max |w_04 - w_01| = {diff:.1e}" in proc.stdout
     assert metrics["lesson"] == "04" and metrics["final_accuracy"] > 0.85
     assert len(metrics["losses"]) == recipe.EPOCHS * recipe.N_TRAIN // recipe.GLOBAL_BATCH
