@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import recipe
 from common.cli import ROOT
+from common.distributed import env_store
 from common.results import atomic_write
 from common.ui import UI
 
@@ -537,8 +538,8 @@ def cpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
     device = torch.device("cpu")
     ctx = Ctx(rank, world, plan, device)
     timeout = datetime.timedelta(seconds=plan["timeout"])
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=timeout)
+    dist.init_process_group("gloo", store=env_store(rank, world, plan["timeout"]), rank=rank,
+                            world_size=world, timeout=timeout)  # a store on MASTER_ADDR only
     # Waiting ranks meet here; its timeout is long because a benchmark on the other ranks
     # may take minutes on a busy machine. The benchmarks' own groups keep --timeout.
     lobby = dist.new_group(list(range(world)), backend="gloo",
@@ -575,8 +576,9 @@ def gpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
         torch.cuda.set_device(device)
     ctx = Ctx(rank, world, plan, device)
     timeout = datetime.timedelta(seconds=plan["timeout"])
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=timeout, **({"device_id": device} if cuda else {}))
+    dist.init_process_group(backend, store=env_store(rank, world, plan["timeout"]), rank=rank,
+                            world_size=world, timeout=timeout,
+                            **({"device_id": device} if cuda else {}))
     lobby = dist.new_group(list(range(world)), backend="gloo",
                            timeout=datetime.timedelta(seconds=LOBBY_TIMEOUT_S))
     _groups(ctx, set(cfg["worlds"]) | ({2, world} if world >= 2 else set()), backend, timeout)

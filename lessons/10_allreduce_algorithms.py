@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from common.cli import fail, lesson_parser, nonnegative_int, positive_int, run
-from common.distributed import choose_port, spawn, teardown
+from common.distributed import choose_port, env_store, spawn, teardown
 from common.results import atomic_write, out_dir, shown
 from common.ui import UI
 
@@ -224,8 +224,9 @@ def main() -> None:
 def worker(rank: int, world_size: int, args) -> None:
     ui = UI(rank, world_size)
     torch.set_num_threads(1)  # N ranks share the cores; one thread each avoids a pile-up
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    # env_store: the store env:// would make, but listening on 127.0.0.1 only (lesson 05)
+    dist.init_process_group("gloo", store=env_store(rank, world_size, args.timeout), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=args.timeout))
     # Subgroups {0..n-1} for the smaller worlds of steps 5 and 6. Every rank must call
     # new_group for every group, members or not, in the same order.
     groups = {n: dist.new_group(list(range(n))) for n in range(2, world_size)}

@@ -122,7 +122,12 @@ def _rank_main(rank: int, world: int, port: int, target, args: tuple, learner: s
         results.join_thread()  # the message is in the pipe before this process may end
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        import os
+
+        from common.distributed import env_store  # a store on 127.0.0.1 only
+
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", store=env_store(rank, world, GROUP_TIMEOUT_S), rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         value = target(rank, world, *args)
@@ -398,8 +403,8 @@ def _rank_09(rank: int, world: int, path: str) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # Lesson 09's own model: keys stem.submodule.*, block.module.*, head.*
-    TinyNet = load(ROOT / "lessons" / "09_checkpoint_keys.py").TinyNet
+    # Lesson 09's own model (Step 8): keys stem.submodule.*, block.module.*, head.*
+    from apparatus.checkpoint_keys import TinyNet
 
     module = load(Path(path))
     torch.manual_seed(0)
