@@ -1,12 +1,14 @@
 """Lesson 09: the `module.` prefix in checkpoints, and one loader for every wrapper.
 
-New since lesson 08: saving and loading. Lessons 05-08 saved `ddp_model.module.state_dict()`
-without saying why. Here you save the DDP model itself, watch the plain model refuse the
-file (`module.fc1.weight` is not `fc1.weight`), fix it three ways, see why
-`k.replace("module.", "")` is a bug, meet torch.compile's `_orig_mod.` prefix and nested
-wrappers, and then use `common/checkpoint.py`'s `load_into`, which loads any of them into
-any of them. Last: `map_location`, `weights_only=True`, and rank 0 saving while the other
-ranks wait at a barrier before they load.
+Parent: lesson 05 (lessons/05_ddp_spawn.py)
+
+New since lesson 05: saving and loading. Lesson 05 saved `ddp_model.module.state_dict()`
+without saying why. Here rank 0 saves the DDP model itself, watches a plain model refuse
+the file (`module.fc1.weight` is not `fc1.weight`), and fixes it three ways (and sees why
+`k.replace("module.", "")` is a bug). Then every wrapper's prefix and one loader for all of
+them (`common/checkpoint.py`'s load_into), `map_location` and `weights_only=True`, shown by
+apparatus/checkpoint_keys.py; last, lesson 05's rule made visible: rank 0 writes, a
+barrier, then every rank loads.
 
 Run:
     make lesson-09
@@ -15,8 +17,8 @@ Run:
 
 Doc: docs/09_checkpoint_keys.md
 """
-import dataclasses
 import datetime
+import gc
 import os
 import sys
 from pathlib import Path
@@ -25,368 +27,289 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import co
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from rich.markup import escape  # error texts hold [brackets] that rich would read as markup
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
-from rich.markup import escape  # error texts hold [brackets] that rich would read as markup
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
+from apparatus import checkpoint_keys as shown_keys
 from common import recipe
-from common.checkpoint import CheckpointError, load_into, unwrap
+from common.checkpoint import load_into
 from common.cli import fail, lesson_parser, run
-from common.device import backend_for, pick_device, plan_device, rank_device, share_cpu
-from common.distributed import choose_port, init_from_env, spawn, teardown
-from common.results import (atomic_write, make_metrics, max_abs_diff, out_dir,
-                            plain_state_dict, save_results, shown)
-from common.ui import UI, Timer
+from common.device import backend_for, plan_device, rank_device, share_cpu
+from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, master_address,
+                                say_each, supervise, world_rows)
+from common.results import (claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict,
+                            save_results, shown)
+from common.ui import UI, Timer, share_terminal_with_children
 
-MAX_WORLD = 8  # step 9 only starts processes that load one small file
+# More ranks than this on one machine teach nothing but waiting; and each rank is a whole
+# Python process with torch loaded: about 0.4 GB of memory (PSS) each, measured here.
+MAX_WORLD = 16
 
 
 def parse_args():
     parser = lesson_parser(__doc__, distributed=True, world_size=2)
     args = parser.parse_args()
-    if args.world_size > MAX_WORLD:
-        fail(f"--world-size {args.world_size}: step 9 needs only a few ranks to make its point; "
-             f"use {MAX_WORLD} or fewer")
+    n = args.world_size
+    if n > MAX_WORLD:
+        fail(f"--world-size {n} is more processes than make sense on one machine (each takes about "
+             f"0.4 GB of memory); use {MAX_WORLD} or fewer")
+    if recipe.GLOBAL_BATCH % n:
+        ok = [d for d in range(1, MAX_WORLD + 1) if recipe.GLOBAL_BATCH % d == 0]
+        fail(f"--world-size {n} does not divide the global batch of {recipe.GLOBAL_BATCH} "
+             f"samples into equal per-rank batches; use one of {', '.join(map(str, ok))}")
     return args
 
 
 def main() -> None:
     args = parse_args()
     ui = UI(step_mode=args.step)
-    ui.title("Lesson 09: the module. prefix in checkpoints")
-    folder = out_dir("09", args.out)
+    ui.title(f"Lesson 09: the module. prefix in checkpoints, on {args.world_size} processes")
 
-    # Step 1: Train with DDP and save its state_dict
-    # A world of one (init_from_env makes one under plain python) is enough to get a real
-    # DDP model. DDP keeps your model as its child `module`, and state_dict() names every
-    # tensor by its path from the object you call it on: so `module.fc1.weight`.
-    ui.step(1, "Train with DDP and save its state_dict")
-    device = pick_device(args.device)
-    backend = backend_for(device)
-    init_from_env(backend, args.timeout, device)
-    data = recipe.load_data(args.dataset, args.data_dir, args.download)
-    model = recipe.make_model(args.seed, data.in_features, data.classes).to(device)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = recipe.make_optimizer(ddp_model)
-    sampler = recipe.EpochShuffle(len(data.train), seed=args.seed)
-    loader = DataLoader(data.train, batch_size=recipe.GLOBAL_BATCH, sampler=sampler)
-    losses: list[float] = []
-    timer = Timer()
-    with ui.progress(args.epochs * len(loader), "training") as bar:
-        for epoch in range(args.epochs):
-            sampler.set_epoch(epoch)
-            for x, y in loader:
-                loss = F.cross_entropy(ddp_model(x.to(device)), y.to(device))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.item())
-                bar.advance()
-    wall = timer.seconds
-    trained = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    accuracy_trained = recipe.accuracy(model, data.test, device)
-    ddp_path = folder / "ddp_model.pt"
-    ddp_path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(ddp_model.state_dict(), ddp_path)  # the tempting line
-    ddp_keys = list(ddp_model.state_dict())
-    ui.print(f"{args.epochs} epoch(s) on a world of 1 over {backend}: test accuracy "
-             f"{accuracy_trained:.1%}; saved ddp_model.state_dict() to {shown(ddp_path)}")
-    ui.print(f"its keys: {ddp_keys}")
-
-    # Step 2: Load it into a plain model: the error
-    # A plain MLP expects `fc1.weight`. load_state_dict is strict by default: it refuses a
-    # file whose keys differ and lists both sides. This is the real message:
-    ui.step(2, "Load it into a plain model: the error")
-    plain = recipe.make_model(args.seed + 1, data.in_features, data.classes).to(device)
-    try:
-        plain.load_state_dict(torch.load(ddp_path, weights_only=True))
-    except RuntimeError as exc:
-        first_error = str(exc)
-        ui.print(f"RuntimeError: {escape(first_error)}")
-    # strict=False would "succeed" and load nothing: every key is unexpected and skipped
-    result = plain.load_state_dict(torch.load(ddp_path, weights_only=True), strict=False)
-    ui.print(f"with strict=False: {len(result.missing_keys)} missing and "
-             f"{len(result.unexpected_keys)} unexpected keys, no error, and the model is "
-             f"still untrained (test accuracy {recipe.accuracy(plain, data.test, device):.1%})")
-
-    # Step 3: Fix 1: save model.module.state_dict()
-    # The best fix is at save time: save the model inside the wrapper, and the file has
-    # the keys of a plain model, loadable anywhere (with or without DDP). This is what
-    # lessons 05-08 (and common.results.plain_state_dict) do.
-    ui.step(3, "Fix 1: save model.module.state_dict()")
-    module_path = folder / "model.pt"
-    torch.save(ddp_model.module.state_dict(), module_path)
-    result = plain.load_state_dict(torch.load(module_path, weights_only=True))
-    ui.print(f"keys in {shown(module_path)}: {list(torch.load(module_path, weights_only=True))[:2]} ...; "
-             f"load_state_dict says {result}")
-
-    # Step 4: Fix 2: strip the prefix with consume_prefix_in_state_dict_if_present
-    # For a file that already has the prefix. PyTorch's own helper strips it from every
-    # key that *starts with* it, in place: it returns None, so do not assign its result.
-    ui.step(4, "Fix 2: strip the prefix with consume_prefix_in_state_dict_if_present")
-    state = torch.load(ddp_path, weights_only=True)
-    returned = consume_prefix_in_state_dict_if_present(state, "module.")
-    plain = recipe.make_model(args.seed + 1, data.in_features, data.classes).to(device)
-    result = plain.load_state_dict(state)
-    ui.print(f"it returned {returned} and changed the dict in place: {list(state)[:2]} ...; "
-             f"load_state_dict says {result}")
-
-    # Step 5: Fix 3: strip by hand, as a prefix only
-    # A model whose own children are called `module` or `submodule` (a residual block
-    # that wraps `self.module` is a common pattern) shows why `k.replace("module.", "")`
-    # is a bug: it rewrites `module.` wherever it appears, not only at the start.
-    ui.step(5, "Fix 3: strip by hand, as a prefix only")
-    torch.manual_seed(args.seed)
-    net = TinyNet().to(device)
-    ddp_net = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
-    saved = ddp_net.state_dict()
-    replaced = {k.replace("module.", ""): v for k, v in saved.items()}   # the bug
-    stripped = {k.removeprefix("module."): v for k, v in saved.items()}  # prefix only
-    ui.table("Keys of DDP(TinyNet()), stripped two ways", ["saved key", "k.replace(...)",
-                                                           "k.removeprefix(...)"],
-             [[k, r, s] for k, r, s in zip(saved, replaced, stripped)])
-    try:
-        TinyNet().to(device).load_state_dict(replaced)
-    except RuntimeError as exc:
-        ui.print(f"k.replace: RuntimeError: {escape(str(exc))}")
-    result = TinyNet().to(device).load_state_dict(stripped)
-    ui.print(f"k.removeprefix: load_state_dict says {result}")
-    replace_bug = {k: r for k, r in zip(saved, replaced) if r != k.removeprefix("module.")}
-    del ddp_net
-
-    # Step 6: DataParallel, torch.compile and wrappers in wrappers
-    # DataParallel keeps the model in `.module` too. torch.compile returns an
-    # OptimizedModule that keeps it in `._orig_mod`; building one compiles nothing (that
-    # happens at the first call), so this step is fast. Wrappers nest, and so do prefixes.
-    ui.step(6, "DataParallel, torch.compile and wrappers in wrappers")
-    rows = []
-    first_keys = {}
-    for name in ["plain", "DataParallel", "DDP", "torch.compile", "DDP(torch.compile)",
-                 "torch.compile(DDP)"]:
-        wrapped = wrap(name, recipe.make_model(args.seed, data.in_features, data.classes).to(device),
-                       device)
-        first_keys[name] = next(iter(wrapped.state_dict()))
-        rows.append([name, type(wrapped).__name__, first_keys[name]])
-        del wrapped
-    ui.table("The first key of model.state_dict() under each wrapper",
-             ["wrapped as", "outer class", "first key"], rows)
-
-    # Step 7: One loader for every wrapper: load_into
-    # common/checkpoint.py's load_into(model, source) unwraps the target to the model
-    # inside, strips wrapper prefixes from the checkpoint (only at the start of a key,
-    # only while every key has one) and loads strictly. Every pair, checked weight by weight:
-    ui.step(7, "One loader for every wrapper: load_into")
-    kinds = ["plain", "DataParallel", "DDP", "torch.compile"]
-    matrix, rows, worst = {}, [], 0.0
-    for source_kind in kinds + ["DDP(torch.compile)"]:
-        source = recipe.make_model(args.seed, data.in_features, data.classes).to(device)
-        source.load_state_dict(trained)
-        saved_state = wrap(source_kind, source, device).state_dict()
-        row = [source_kind, ""]
-        for target_kind in kinds:
-            fresh = recipe.make_model(args.seed + 1, data.in_features, data.classes).to(device)
-            target = wrap(target_kind, fresh, device)
-            row[1] = load_into(target, saved_state) or "(nothing)"  # returns what it stripped
-            # plain_state_dict: CPU copies (DataParallel moves a model to cuda:0 on a 1-GPU machine)
-            diff = max_abs_diff(plain_state_dict(unwrap(target)), trained)
-            worst = max(worst, diff)
-            matrix[f"{source_kind} -> {target_kind}"] = row[1]
-            row.append("ok" if diff == 0.0 else f"{diff:.1e}")
-            del target
-        rows.append(row)
-    ui.table("load_into(model wrapped as plain / DP / DDP / compile, state saved from ...)",
-             ["saved from", "stripped", "plain", "DP", "DDP", "compile"], rows)
-    ui.print(f"{len(matrix)} pairs loaded; largest |loaded - trained| weight: {worst}")
-    mistakes = {}
-    for label, bad_source in (("a TinyNet checkpoint", stripped), ("the k.replace keys", replaced)):
-        try:
-            load_into(TinyNet().to(device) if bad_source is replaced else plain, bad_source)
-        except CheckpointError as exc:  # one line: what is missing, what is unexpected
-            mistakes[label] = str(exc)
-            ui.print(f"load_into with {label}: [red]CheckpointError[/red]: {escape(str(exc))}")
-
-    # Step 8: Across devices: map_location and weights_only=True
-    # torch.save records each tensor's device in the file, and torch.load puts it back
-    # there unless map_location says otherwise. weights_only=True (torch.load's default
-    # since 2.6) unpickles only tensors and plain containers: a file cannot run code.
-    ui.step(8, "Across devices: map_location and weights_only=True")
-    locations = set()
-
-    def where_saved(storage, location):  # map_location may be a function: (storage, tag)
-        locations.add(location)
-        return storage                   # keep it where torch.load put it (on the CPU)
-    torch.load(module_path, map_location=where_saved, weights_only=True)
-    on_cpu = torch.load(module_path, map_location="cpu", weights_only=True)
-    ui.print(f"device tags recorded in {shown(module_path)}: {sorted(locations)}; with "
-             f"map_location='cpu' the tensors land on {next(iter(on_cpu.values())).device}")
-    if torch.cuda.is_available():
-        gpu_path = folder / "gpu_model.pt"
-        torch.save(recipe.make_model(args.seed).to("cuda").state_dict(), gpu_path)
-        tags = set()
-        torch.load(gpu_path, map_location=lambda s, tag: tags.add(tag) or s, weights_only=True)
-        back = torch.load(gpu_path, map_location="cpu", weights_only=True)
-        ui.print(f"a model saved from the GPU: tags {sorted(tags)}; map_location='cpu' -> "
-                 f"{next(iter(back.values())).device}")
-    else:
-        ui.print("no GPU here: a file saved from cuda:0 would say 'cuda:0', and torch.load "
-                 "without map_location would refuse it on this machine (see the doc)")
-    config_path = folder / "with_config.pt"
-    torch.save({"model": model.state_dict(), "config": TrainConfig(recipe.LR, args.epochs)},
-               config_path)
-    try:
-        torch.load(config_path, weights_only=True)
-    except Exception as exc:  # pickle.UnpicklingError
-        why = next(line.strip() for line in str(exc).splitlines() if "WeightsUnpickler" in line)
-        ui.print(f"weights_only=True refuses a dataclass in the file: {escape(why)}")
-    torch.save({"model": model.state_dict(), "config": dataclasses.asdict(TrainConfig(recipe.LR, args.epochs))},
-               config_path)
-    checkpoint = torch.load(config_path, weights_only=True)
-    try:
-        load_into(plain, config_path)
-    except CheckpointError as exc:
-        ui.print(f"with a plain dict as config it loads; load_into(plain, path) then says: "
-                 f"{escape(str(exc))}")
-    load_into(plain, checkpoint["model"])
-    ui.print(f"load_into(plain, checkpoint['model']) works; config = {checkpoint['config']}")
-
-    # Step 9: Rank 0 saves, a barrier, then every rank loads
-    # In a real job every rank holds the model. One writer is enough (and two writers on
-    # one path race), but a reader must not open the file before it is complete: rank 0
-    # writes, *then* everybody meets at dist.barrier(), *then* the others read.
-    ui.step(9, "Rank 0 saves, a barrier, then every rank loads")
+    # Step 1: Start one process per rank with mp.spawn
+    # One process per device is DDP's rule: with 2 GPUs, 2 processes each own one GPU; on a
+    # CPU-only machine the processes share the cores and talk over gloo. MASTER_ADDR and
+    # MASTER_PORT tell every process where the rendezvous *store* is, a small key-value
+    # server they use to find each other. The parent hosts it, listening on 127.0.0.1 only
+    # (a TCPStore of its own would listen on every interface), and holds the port until
+    # the job ends: a second job on the same port fails at once instead of joining ours.
+    ui.step(1, "Start one process per rank with mp.spawn")
     kind, note = plan_device(args.device, args.world_size)
     if note:
         ui.print(f"[yellow]note:[/yellow] {note}")
-    os.environ["MASTER_PORT"] = str(choose_port(args.master_port))  # a new group, a new port
-    shared = folder / "resume.pt"
-    if shared.exists():
-        shared.unlink()  # so that no rank can read an old copy
-    spawn(resume_worker, args=(args.world_size, args, kind, str(ddp_path), str(shared)),
-          nprocs=args.world_size)
-    checksums = torch.load(folder / "checksums.pt", weights_only=True)
-
-    # Step 10: Save the results and leave the process group
-    # final.pt holds the plain keys (plain_state_dict unwraps), loaded through load_into
-    # from the DDP file of step 1, so its accuracy must be the trained model's.
-    ui.step(10, "Save the results and leave the process group")
-    reloaded = recipe.make_model(args.seed + 1, data.in_features, data.classes).to(device)
-    load_into(reloaded, ddp_path)
-    accuracy = recipe.accuracy(reloaded, data.test, device)
-    reference = recipe.train_reference(args.seed, args.epochs, data)
-    save_results(folder, plain_state_dict(reloaded), make_metrics(
-        lesson="09", world_size=1, backend=backend, device=str(device), losses=losses,
-        final_accuracy=accuracy, wall_seconds=wall, samples=args.epochs * len(data.train),
-        epochs=args.epochs, seed=args.seed, dataset=data.name, global_batch=recipe.GLOBAL_BATCH,
-        accuracy_before_saving=accuracy_trained, ddp_keys=ddp_keys,
-        plain_load_error=first_error.splitlines()[0], first_keys=first_keys,
-        replace_bug=replace_bug, load_into=matrix, load_into_max_abs_diff=worst,
-        load_into_errors=mistakes, checkpoint_locations=sorted(locations),
-        resume_checksums=checksums,
-        max_abs_diff_vs_single_device=max_abs_diff(plain_state_dict(reloaded), reference)))
-    ui.print(f"reloaded from {shown(ddp_path)}: test accuracy {accuracy:.1%} "
-             f"(before saving: {accuracy_trained:.1%}); wrote {shown(folder / 'final.pt')} "
-             f"and metrics.json")
-    del ddp_model, optimizer
-    teardown()
-    ui.print("done: left the process group cleanly")
+    folder = claim_out(out_dir("09", args.out))  # checked now, not after training; ours alone
+    addr, port = master_address(args.master_port)  # --master-port, else $MASTER_ADDR/$MASTER_PORT
+    store, port = host_store(addr, port, args.timeout)  # lives (and holds the port) until we exit
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    ui.print(f"the store listens on {addr}:{port}; next, mp.spawn(worker, nprocs={args.world_size}) "
+             f"starts the ranks and each runs worker(rank, ...)")
+    # --step: the children get /dev/null as stdin, so tell rank 0 which terminal to ask on
+    share_terminal_with_children()
+    ui.pause(next_step=(2, "Join the process group"))
+    # mp.spawn starts the processes with the "spawn" method (a fresh Python each), calls
+    # worker(i, *args) in process i, and with join=True waits for all of them. If one
+    # raises, mp.spawn terminates the others and re-raises here: no rank waits forever.
+    # supervise(): Ctrl-C, SIGTERM or SIGHUP stop every rank before the parent says a word.
+    try:
+        with supervise():
+            mp.spawn(worker, args=(args.world_size, args, kind, folder), nprocs=args.world_size,
+                     join=True)
+    except mp.ProcessRaisedException as exc:
+        error = [line for line in str(exc.msg).splitlines() if line.strip()][-1]
+        fail(f"rank {exc.error_index} failed with {error}; mp.spawn stopped the other ranks", code=1)
+    except mp.ProcessExitedException as exc:
+        fail(f"rank {exc.error_index} exited ({exc.signal_name or f'code {exc.exit_code}'}); "
+             f"mp.spawn stopped the other ranks", code=1)
 
 
-def resume_worker(rank: int, world_size: int, args, kind: str, trained_path: str,
-                  shared_path: str) -> None:
-    """Step 9 on every rank: different weights before, rank 0's weights after."""
-    ui = UI(rank, world_size)
-    share_cpu(world_size)
-    device = rank_device(kind, rank)
+def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
+    """What every process runs. mp.spawn passes the rank as the first argument."""
+    die_with_parent()  # if the parent is killed (even kill -9), the kernel ends this rank too
+    ui = UI(rank, world_size, step_mode=args.step)
+    share_cpu(world_size)  # each rank gets its share of the cores, not all of them
+
+    # Step 2: Join the process group
+    # Each rank connects to the parent's store at MASTER_ADDR:MASTER_PORT (is_master=False:
+    # a client), and init_process_group blocks until all `world_size` ranks have met there.
+    # The timeout bounds that wait *and* every later collective: a rank that never comes or
+    # never answers turns into an error after `timeout` instead of a frozen terminal.
+    # device_id (GPUs only) tells NCCL our device now, so it builds its communicator at once
+    # instead of guessing the device at the first collective.
+    ui.step(2, "Join the process group")
+    device = rank_device(kind, rank)  # one GPU per rank: cuda:<rank>, or the CPU
+    backend = backend_for(device)     # nccl for GPUs, gloo for CPU tensors
     if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), init_method="env://", rank=rank,
-                            world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+        torch.cuda.set_device(device)  # so that NCCL and `cuda` without an index mean our GPU
+    timeout = datetime.timedelta(seconds=args.timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=device if device.type == "cuda" else None)
+    ui.table("The world", WORLD_COLUMNS, world_rows(rank, device, backend))
+
+    # Step 3: Split the data with DistributedSampler
+    # Each rank reads a different 1/N of every epoch: positions rank, rank+N, rank+2N, ...
+    # of one shuffled order. shuffle=True belongs to the *sampler* (a DataLoader with a
+    # sampler must not shuffle too), and the per-rank batch is the global batch / N, so one
+    # step of N ranks sees exactly the 96 samples of one step of lesson 01.
+    ui.step(3, "Split the data with DistributedSampler")
     data = recipe.load_data(args.dataset, args.data_dir, args.download)
-    # a different seed per rank: as if each rank had started from its own random weights
-    model = recipe.make_model(args.seed + 100 + rank, data.in_features, data.classes).to(device)
-    before = checksum(model)
+    sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=args.seed)
+    per_rank = recipe.GLOBAL_BATCH // world_size
+    loader = DataLoader(data.train, batch_size=per_rank, sampler=sampler)
+    ui.print(f"global batch {recipe.GLOBAL_BATCH} = {world_size} ranks x {per_rank} samples; "
+             f"{len(loader)} steps per epoch on every rank")
+
+    # Step 4: Wrap the model with DDP
+    # Same seed on every rank gives the same initial weights; DDP also broadcasts rank 0's
+    # weights at construction, so the copies start identical either way. device_ids is for
+    # GPUs only (one device per process); on the CPU it stays None.
+    # find_unused_parameters=False (the default) is right here: every parameter gets a
+    # gradient every step. True would make DDP walk the autograd graph after each forward.
+    ui.step(4, "Wrap the model with DDP")
+    model = recipe.make_model(args.seed, data.in_features, data.classes).to(device)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = recipe.make_optimizer(ddp_model)
+    keys = list(ddp_model.state_dict())
+    ui.print(f"the real model is ddp_model.module ({type(ddp_model.module).__name__}); "
+             f"DDP's state_dict keys carry a prefix: {keys[:2]} ...")
+
+    # Step 5: See that gradients are averaged
+    # Compute one batch's gradient twice: first *locally* (inside no_sync(), DDP does not
+    # communicate), then normally. DDP's gradient must equal the mean of all ranks' local
+    # gradients, on every rank. No optimizer step is taken: training below is unaffected.
+    ui.step(5, "See that gradients are averaged")
+    x, y = next(iter(loader))
+    x, y = x.to(device), y.to(device)
+    with ddp_model.no_sync():
+        F.cross_entropy(ddp_model(x), y).backward()
+    local = model.head.weight.grad.clone()
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    mean_of_locals = torch.stack(gathered).mean(0)
+    optimizer.zero_grad(set_to_none=True)
+    F.cross_entropy(ddp_model(x), y).backward()  # the all-reduce happens during this backward
+    synced = model.head.weight.grad
+    gap = (synced - mean_of_locals).abs().max().item()
+    say_each(ui, f"head.weight.grad[0,:3] local {fmt(local[0, :3])}\n"
+                 f"  after DDP {fmt(synced[0, :3])}\n  |DDP - mean of all ranks' local| = {gap:.1e}")
+    torch.testing.assert_close(synced, mean_of_locals)
+    optimizer.zero_grad(set_to_none=True)
+
+    # Step 6: Train
+    # The loop is lesson 01's, plus sampler.set_epoch(epoch): without it every epoch would
+    # replay epoch 0's order. The loss each rank sees is its local batch's; the global
+    # batch's loss is their average over ranks. We keep each step's loss on the device and
+    # average them every `log_every` steps in one all-reduce: `.item()` makes the CPU wait
+    # for the GPU to finish, and once per step that wait would stall the pipeline.
+    ui.step(6, "Train")
+    losses: list[float] = []
+    pending: list[torch.Tensor] = []  # this rank's losses since the last log, not yet synced
+    steps = args.epochs * len(loader)
+    log_every = max(1, len(loader) // 4)
+    timer = Timer()
+    with ui.progress(steps, f"training on {world_size} ranks") as bar:
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                done = len(losses) + len(pending)
+                x, y = x.to(device), y.to(device)
+                loss = F.cross_entropy(ddp_model(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()       # DDP all-reduces gradients, bucket by bucket, in here
+                optimizer.step()      # identical gradients -> identical steps on every rank
+                pending.append(loss.detach())
+                bar.advance()
+                if (len(losses) + len(pending)) % log_every == 0 or done + 1 == steps:
+                    chunk = torch.stack(pending)
+                    dist.all_reduce(chunk)  # SUM over ranks (the default op), then divide
+                    losses += (chunk / world_size).tolist()  # the one host sync per log line
+                    pending = []
+                    ui.log(epoch + 1, len(losses), steps, losses[-1],
+                           timer.rate(len(losses) * recipe.GLOBAL_BATCH))
+    wall = timer.seconds
+
+    # Step 7: Save the DDP model's state_dict: a plain model refuses it
+    # DDP keeps your model as its child `module`, and state_dict() names every tensor by
+    # its path from the object you call it on: `module.fc1.weight`. A plain model expects
+    # `fc1.weight`; load_state_dict is strict by default, refuses, and lists both sides.
+    # Steps 7-10 run on rank 0 while the other ranks wait at Step 11's barrier.
+    ui.step(7, "Save the DDP model's state_dict: a plain model refuses it")
+    solo = dist.new_group([0])  # every rank makes it; rank 0 alone wraps models in DDP over it
+    ddp_path, module_path = folder / "ddp_model.pt", folder / "model.pt"
     if rank == 0:
-        load_into(model, trained_path, map_location=device)   # the DDP file of step 1
-        atomic_write(Path(shared_path), lambda f: torch.save(model.state_dict(), f))
-    dist.barrier()  # nobody passes until rank 0 has written the whole file
-    if rank != 0:
-        # map_location=device: each rank reads onto its *own* device. Without it, a file
-        # saved from cuda:0 would put every rank's copy on GPU 0 first.
-        load_into(model, shared_path, map_location=device)
-    after = checksum(model)
-    rows: list = [None] * world_size
-    dist.all_gather_object(rows, [rank, f"{before:.6f}", f"{after:.6f}"])
-    ui.table("Sum of all weights, per rank", ["rank", "before loading", "after loading"], rows)
+        torch.save(ddp_model.state_dict(), ddp_path)  # the tempting line: keys module.*
+        plain = recipe.make_model(args.seed + 1, data.in_features, data.classes).to(device)
+        try:
+            plain.load_state_dict(torch.load(ddp_path, weights_only=True))
+        except RuntimeError as exc:
+            first_error = str(exc)
+            ui.print(f"RuntimeError: {escape(first_error)}")
+        shown_keys.strict_false(ui, plain, ddp_path, data, device)
+
+    # Step 8: Three fixes: save the module, consume the prefix, strip it by hand
+    # Fix 1, at save time (what lesson 05 does): save the model inside the wrapper. Fix 2,
+    # for a file that has the prefix: consume_prefix_in_state_dict_if_present strips it *in
+    # place* and returns None. Fix 3, by hand: k.removeprefix("module."), never
+    # k.replace("module.", ""), which breaks a model whose own child is called `module`.
+    ui.step(8, "Three fixes: save the module, consume the prefix, strip it by hand")
     if rank == 0:
-        torch.save({"before": [float(r[1]) for r in rows], "after": [float(r[2]) for r in rows]},
-                   Path(shared_path).parent / "checksums.pt")
+        torch.save(ddp_model.module.state_dict(), module_path)  # fix 1
+        fixed = plain.load_state_dict(torch.load(module_path, weights_only=True))
+        state = torch.load(ddp_path, weights_only=True)
+        returned = consume_prefix_in_state_dict_if_present(state, "module.")  # fix 2
+        ui.print(f"fix 1 ({shown(module_path)}): {fixed}; fix 2: it returned {returned} and changed "
+                 f"the dict in place: {list(state)[:2]} ...: {plain.load_state_dict(state)}")
+        replaced, stripped, replace_bug = shown_keys.strip_by_hand(ui, device, solo, args.seed)
+
+    # Step 9: Wrappers in wrappers, and one loader for all: load_into
+    # DataParallel keeps the model in `.module` too, torch.compile in `._orig_mod`, and
+    # wrappers nest. common/checkpoint.py's load_into(model, source) unwraps the target,
+    # strips wrapper prefixes (at the start of a key, while every key has one) and loads
+    # strictly; apparatus/checkpoint_keys.py tries every pair, weight by weight.
+    ui.step(9, "Wrappers in wrappers, and one loader for all: load_into")
+    weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
+    if rank == 0:
+        make = shown_keys.maker(args.seed, data, device)  # make(k): a fresh model, seed + k
+        first_keys = shown_keys.wrapper_prefixes(ui, make, device, solo)
+        matrix, worst, mistakes = shown_keys.load_into_matrix(ui, make, weights, device, solo, {
+            "a TinyNet checkpoint": (plain, stripped), "the k.replace keys": (shown_keys.TinyNet(), replaced)})
+
+    # Step 10: Across devices: map_location and weights_only=True
+    # torch.save records each tensor's device in the file, and torch.load puts it back
+    # there unless map_location says otherwise. weights_only=True (torch.load's default
+    # since 2.6) unpickles only tensors and plain containers: a file cannot run code.
+    ui.step(10, "Across devices: map_location and weights_only=True")
+    locations = (shown_keys.devices_and_types(ui, model, plain, module_path, folder, args.epochs)
+                 if rank == 0 else None)
+
+    # Step 11: Every rank loads rank 0's file after a barrier
+    # All ranks hold the same weights, so one file is enough: rank 0 wrote it in Step 7.
+    # Every rank writing the same path would race; and a rank that reads the file must wait
+    # until it is complete, which is what the barrier is for. Each rank starts from its own
+    # random weights here, so the weight sums show that every load really happened.
+    ui.step(11, "Every rank loads rank 0's file after a barrier")
+    fresh = recipe.make_model(args.seed + 100 + rank, data.in_features, data.classes).to(device)
+    before = shown_keys.checksum(fresh)
+    dist.barrier()  # nobody reads ddp_model.pt before rank 0 has finished writing it
+    load_into(fresh, ddp_path, map_location=device)  # onto this rank's own device
+    sums = shown_keys.weight_sums(ui, before, fresh)  # gathered from every rank
+    if rank == 0:
+        diff = max_abs_diff(weights, recipe.train_reference(args.seed, args.epochs, data))
+        accuracy = recipe.accuracy(fresh, data.test, device)
+        save_results(folder, plain_state_dict(fresh), make_metrics(
+            lesson="09", world_size=world_size, backend=backend, device=str(device),
+            losses=losses, final_accuracy=accuracy, wall_seconds=wall,
+            samples=args.epochs * len(data.train), epochs=args.epochs, seed=args.seed,
+            dataset=data.name, global_batch=recipe.GLOBAL_BATCH,
+            accuracy_before_saving=recipe.accuracy(model, data.test, device), ddp_keys=keys,
+            plain_load_error=first_error.splitlines()[0], first_keys=first_keys, load_into=matrix,
+            replace_bug=replace_bug, load_into_max_abs_diff=worst, load_into_errors=mistakes,
+            checkpoint_locations=locations, resume_checksums=sums, max_abs_diff_vs_single_device=diff))
+        ui.print(f"test accuracy {accuracy:.1%}; wrote {shown(folder / 'final.pt')} "
+                 f"and metrics.json")
+        ui.print(f"same weights as one device? max |w_ddp - w_lesson01| = [bold]{diff:.1e}[/bold] "
+                 + ("(yes: the only difference is float sums added in another order)" if diff <= 1e-4
+                    else "(NO: something differs from lesson 01's recipe)"))
     dist.barrier()
-    teardown()
+
+    # Step 12: Leave the process group
+    # Free everything that holds the process group (the DDP model's reducer) and collect
+    # garbage *before* destroying the group. On torch 2.14.1 gloo otherwise aborts at exit
+    # now and then ("terminate called without an active exception").
+    ui.step(12, "Leave the process group")
+    del ddp_model, model, optimizer
+    gc.collect()
+    dist.destroy_process_group()
+    ui.print("done: every rank left the process group cleanly")
 
 
-class Residual(nn.Module):
-    """x + module(x): a common block whose child is, quite reasonably, called `module`."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, x):
-        return x + self.module(x)
-
-
-class Stem(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.submodule = nn.Linear(recipe.FEATURES, 32)
-
-    def forward(self, x):
-        return F.relu(self.submodule(x))
-
-
-class TinyNet(nn.Module):
-    """Keys: stem.submodule.*, block.module.*, head.*: `module.` inside two of them."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = Stem()
-        self.block = Residual(nn.Linear(32, 32))
-        self.head = nn.Linear(32, recipe.CLASSES)
-
-    def forward(self, x):
-        return self.head(self.block(self.stem(x)))
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    lr: float
-    epochs: int
-
-
-def wrap(name: str, model: nn.Module, device: torch.device) -> nn.Module:
-    """`model` wrapped as `name` says; DDP needs the process group of step 1."""
-    ids = [device.index] if device.type == "cuda" else None
-    if name == "plain":
-        return model
-    if name == "DataParallel":
-        return nn.DataParallel(model)  # without GPUs it only wraps: forward calls model
-    if name == "DDP":
-        return DDP(model, device_ids=ids)
-    if name == "torch.compile":
-        return torch.compile(model)    # an OptimizedModule; compiles at the first call
-    if name == "DDP(torch.compile)":
-        return DDP(torch.compile(model), device_ids=ids)
-    if name == "torch.compile(DDP)":
-        return torch.compile(DDP(model, device_ids=ids))
-    raise ValueError(name)
-
-
-def checksum(model: nn.Module) -> float:
-    return sum(p.detach().double().sum().item() for p in model.parameters())
+def fmt(t: torch.Tensor) -> str:
+    return "[" + ", ".join(f"{v:+.4f}" for v in t.tolist()) + "]"
 
 
 if __name__ == "__main__":
