@@ -1,6 +1,6 @@
 """Each device's load under DataParallel: time per stage, bytes held, threads or no threads.
 
-Lesson 03's Step 6 (lessons/03_data_parallel.py) calls `measure_load` after training. It
+Lesson 03's Step 5 (lessons/03_data_parallel.py) calls `measure_load` after training. It
 trains a *copy* of the model (and of its optimizer's state) for `steps` more steps on one
 batch, stage by stage, so the lesson's own weights are untouched:
 
@@ -14,7 +14,7 @@ batch, stage by stage, so the lesson's own weights are untouched:
   replicas' forwards timed in threads and in one thread (fastest of 20 each).
 
 Returns the metrics.json fields: stage_ms_per_step, device_load, and (simulated)
-threads_forward_ms, one_thread_forward_ms. Doc: docs/03_data_parallel.md, Step 6.
+threads_forward_ms, one_thread_forward_ms. Doc: docs/03_data_parallel.md, Step 5.
 """
 from __future__ import annotations
 
