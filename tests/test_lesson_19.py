@@ -3,10 +3,13 @@
 One short run on 4 ranks (--dp 2 --tp 2) feeds every assertion about the job: lesson 13's
 weights, the groups each rank talks in, the bytes each rank holds and sends per dimension
 (measured) beside the planner's formulas and beside the same numbers worked out here from
-the recipe's shapes. The planner's other formulas (DDP, ZeRO-1/2, pipeline) are checked
-against the instruments lessons 15 and 18 measure with, and --plan's table in-process.
+the recipe's shapes. The planner's other formulas: DDP and ZeRO-3 against lesson 15's
+formulas (which its tests measure), ZeRO-1/2 by arithmetic, the pipeline's bytes on a real
+2-stage pipeline of the recipe (2 processes), its bubble against lesson 18's GPipe timeline;
+and --plan's table in-process.
 """
 import math
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +130,69 @@ def test_plan_table_for_a_7b_model(monkeypatch, capsys):
 def test_bad_flags_one_line(flags, words, monkeypatch, capsys):
     line = parse_error(import_lesson("19"), flags, monkeypatch, capsys)
     assert words in line, line
+
+
+def _pipeline_rank(rank: int, folder: str, m: int) -> None:
+    """Two pipeline stages of the recipe (embeddings + block 0 | block 1 + head), m micro-batches
+    (GPipe order: every forward, then every backward), the bytes each stage sends counted by a
+    TorchDispatchMode on c10d's send op; written to folder/rank<r>.json."""
+    import datetime
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    sent = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func._overloadpacket) == "c10d.send":
+                sent.extend(t.numel() * t.element_size() for t in args[0])
+            return func(*args, **(kwargs or {}))
+
+    model, (x, y) = T.make_model(), T.batch(0)
+    outs = []
+    with Count():
+        for i in range(m):  # forwards
+            xb, yb = T.shard(x, i, m), T.shard(y, i, m)
+            if rank == 0:
+                h = model.blocks[0](model.tok_emb(xb) + model.pos_emb(torch.arange(T.SEQ)))
+                dist.send(h.detach().contiguous(), 1)
+                outs.append(h)
+            else:
+                h = torch.empty(xb.shape[0], T.SEQ, T.DIM)
+                dist.recv(h, 0)
+                h.requires_grad_()
+                outs.append((h, T.loss_fn(model.head(model.norm(model.blocks[1](h))), yb) / m))
+        for i in range(m):  # backwards
+            if rank == 0:
+                g = torch.empty_like(outs[i])
+                dist.recv(g, 1)
+                outs[i].backward(g)
+            else:
+                h, loss = outs[i]
+                loss.backward()
+                dist.send(h.grad, 0)
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(sent))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_pipeline_bytes_match_the_planner(tmp_path):
+    """Each stage of a 2-stage pipeline of the recipe sends one (b, s, h) tensor per micro-batch:
+    activations forward (stage 0), their gradients backward (stage 1), as the planner counts."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    m = 4
+    mp.start_processes(_pipeline_rank, args=(str(tmp_path), m), nprocs=2, join=True, start_method="spawn")
+    model = planner.Model(PSI, T.N_BLOCKS, T.DIM, T.SEQ, micro_batch=T.GLOBAL_BATCH // m, microbatches=m)
+    formula = planner.comm(model, planner.Layout(pp=2), element=4)["pp"]
+    for rank in (0, 1):
+        sent = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(sent) == m and sum(sent) == formula, (rank, sent, formula)
