@@ -135,7 +135,8 @@ def layouts(gpus: int, per_node: int) -> list[Layout]:
     if gpus > per_node and per_node > 1:
         pp = min(4, gpus // per_node)
         out.append(Layout(tp=per_node, pp=pp, dp=gpus // (per_node * pp), zero=1))
-    return [lay for lay in out if lay.dp * lay.tp * lay.pp == gpus]
+    fitting = [lay for lay in out if lay.dp * lay.tp * lay.pp == gpus]
+    return list({lay.name: lay for lay in fitting}.values())  # 1 GPU: one row, not four
 
 
 def crosses_nodes(lay: Layout, per_node: int) -> dict[str, bool]:
@@ -301,16 +302,15 @@ class CountByDim:
         return {dim: {k: v / steps for k, v in d.items()} for dim, d in out.items()}
 
 
-def recipe_model(dp: int) -> tuple[Model, list[float]]:
-    """The Part 2 recipe as the planner sees it (fp32: 4 bytes), and its FSDP groups' sizes."""
+def recipe_model(dp: int) -> Model:
+    """The Part 2 recipe as the planner sees it: each dp rank's rows are one micro-batch."""
     from common import transformer as T
     split = ("attn.q", "attn.k", "attn.v", "mlp.fc", "attn.proj.weight", "mlp.proj.weight")
     params = replicated = 0
     for name, p in T.make_model().named_parameters():
         params += p.numel()
         replicated += 0 if any(s in name for s in split) else p.numel()
-    model = Model(params, T.N_BLOCKS, T.DIM, T.SEQ, T.GLOBAL_BATCH // dp, 1, replicated)
-    return model, replicated
+    return Model(params, T.N_BLOCKS, T.DIM, T.SEQ, T.GLOBAL_BATCH // dp, 1, replicated)
 
 
 def recipe_groups(tp: int) -> list[float]:
@@ -328,7 +328,7 @@ def report_dims(ui, counter: CountByDim, steps: int, dp: int, tp: int) -> dict:
     """Bytes this rank sent per step in each dimension, beside the planner's formula, and what
     that would take on each kind of link (assumed bandwidths, not measured)."""
     measured = counter.per_step(steps)
-    model, _ = recipe_model(dp)
+    model = recipe_model(dp)
     formula = comm(model, Layout(dp=dp, tp=tp, zero=3), element=4, group_bytes=recipe_groups(tp))
     rows = []
     for dim in ("dp", "tp"):
@@ -350,7 +350,7 @@ def report_dims(ui, counter: CountByDim, steps: int, dp: int, tp: int) -> dict:
 def check_memory(ui, held: dict, dp: int, tp: int) -> dict:
     """Bytes this rank holds (measured) beside the planner's fp32 formula for TP x ZeRO-3."""
     import torch.distributed as dist
-    model, _ = recipe_model(dp)
+    model = recipe_model(dp)
     formula = memory(model, Layout(dp=dp, tp=tp, zero=3), per_param=FP32)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, held)
