@@ -63,10 +63,11 @@ class UI:
     def pause(self, next_step: tuple[int, str] | None = None) -> None:
         """With --step: say what just happened and what comes next, then wait for a key.
 
-        Only rank 0 asks. In a multi-process lesson the other ranks wait for its answer by
-        receiving a small broadcast every second ("wait", then "go" or "quit"), so a learner
-        who reads for ten minutes never trips the process group's timeout. Without a
-        terminal nothing blocks.
+        Only rank 0 asks. In a multi-process lesson the other ranks learn its answer through
+        the process group's store (see `_Signal`), not through a collective: a learner who
+        counts collectives, or reads a profiler trace or a flight-recorder dump, sees only the
+        lesson's own. Rank 0 renews a heartbeat every second while it waits, so a learner who
+        reads for ten minutes never trips a timeout. Without a terminal nothing blocks.
         """
         if not self.step_mode:
             return
@@ -77,18 +78,19 @@ class UI:
             # Before the process group exists the other ranks cannot wait for rank 0's
             # answer (they would time out at the rendezvous): pause at the next step instead.
             return
-        answer = "go"
+        signal = _Signal(dist) if together else None
         if self.is_main:
+            answer = "go"
             tty = step_terminal()
             if tty is not None:
                 self._summary(next_step)
                 tty.write("  [Enter] next step, [q] quit: ")
                 tty.flush()
-                answer = _read_answer(tty, dist if together else None)
-        if together:
-            answer = _broadcast(dist, answer if self.is_main else None)
-            while answer == "wait":
-                answer = _broadcast(dist, None)
+                answer = _read_answer(tty, signal.beat if signal else None)
+            if signal:
+                signal.send(answer)
+        else:
+            answer = signal.receive()
         self._unpaused = []
         if answer == "quit":
             self.print("Stopped at your request.")
@@ -214,9 +216,9 @@ def share_terminal_with_children() -> None:
             pass
 
 
-def _read_answer(tty: _TTY, dist) -> str:
+def _read_answer(tty: _TTY, beat=None) -> str:
     """Wait for one key on the terminal (q quits; Enter or space goes on; other keys are
-    ignored); in a group, tell the others 'wait' every second.
+    ignored); in a group, call beat() every second (rank 0's heartbeat).
 
     The terminal is put in cbreak mode while we wait, so a key arrives without Enter (Ctrl-C
     still interrupts), and restored afterwards. Where that is impossible (not a real
@@ -254,17 +256,61 @@ def _read_answer(tty: _TTY, dist) -> str:
                         tty.write("\n")
                         tty.flush()
                         return "go"
-            elif dist is not None:
-                _broadcast(dist, "wait")
+            elif beat is not None:
+                beat()
     finally:
         if saved is not None:
             termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
-def _broadcast(dist, value):
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+class _Signal:
+    """Rank 0's answer to one pause, carried by the process group's store, not by a collective.
+
+    Rank 0 writes the key `lesson_step/<n>` (n counts this process's pauses, the same on every
+    rank): "wait <i>" once a second while the learner reads, then "go" or "quit". The others
+    poll the key. They give up only if rank 0 does not reach the pause, or its heartbeat
+    stops, for the store's timeout (the process group's, in these lessons): the same bound a
+    collective would have, without a single collective on the training process group.
+    """
+    count = 0  # pauses in this process; a class attribute, so a second UI cannot reuse a key
+
+    def __init__(self, dist):
+        self.store = dist.distributed_c10d._get_default_store()  # private, but the only handle
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        _Signal.count += 1
+        self.key = f"lesson_step/{_Signal.count}"
+        self.beats = 0
+
+    def beat(self) -> None:
+        self.beats += 1
+        self.store.set(self.key, f"wait {self.beats}")
+
+    def send(self, answer: str) -> None:
+        self.store.set(self.key, answer)
+        if answer == "quit":
+            # Rank 0 may host the store: before it exits, every other rank must have read
+            # "quit", or they would find the store gone instead of the answer. (A rank that
+            # never reads it has died: the launcher reports that; we quit all the same.)
+            try:
+                self.store.wait([f"{self.key}/quit_seen/{r}" for r in range(1, self.world_size)])
+            except Exception:
+                pass
+
+    def receive(self) -> str:
+        limit = self.store.timeout.total_seconds()
+        last, since = None, time.monotonic()
+        while True:
+            value = self.store.get(self.key).decode() if self.store.check([self.key]) else None
+            if value == "quit":
+                self.store.set(f"{self.key}/quit_seen/{self.rank}", "1")
+            if value in ("go", "quit"):
+                return value
+            if value != last:
+                last, since = value, time.monotonic()
+            elif time.monotonic() - since > limit:
+                what = "reach the pause" if value is None else "answer (its heartbeat stopped)"
+                raise RuntimeError(f"--step: rank 0 did not {what} within {limit:g}s")
+            time.sleep(0.05)
 
 
 def doc_steps(script: str) -> dict[int, tuple[str, str]]:
