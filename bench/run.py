@@ -36,7 +36,7 @@ from common.distributed import free_port, spawn
 from common.results import atomic_write, shown
 from common.ui import UI
 
-BENCHMARKS = ["scaling", "bucketing", "allreduce", "no_sync", "gpu"]
+BENCHMARKS = ["scaling", "bucketing", "allreduce", "no_sync", "gpu", "fsdp", "tp", "pipeline"]
 REQUIRED_SPEEDUP_2 = 1.6  # issue 8: 2 ranks >= 1.6x one rank on the 2-core CPU machine
 MAX_CPU_RANKS = 8
 
@@ -98,6 +98,8 @@ def make_plan(args) -> dict:
     if "allreduce" in wanted:
         phases += [("allreduce", n) for n in plan["allreduce"]["worlds"]]
     plan["phases"] = phases
+    from bench import part2  # Part 2 (the transformer): FSDP2 vs DDP, tensor parallel, pipelines
+    plan["part2"] = part2.make_plan(quick)
     plan["benchmarks"] = sorted(wanted, key=BENCHMARKS.index)
     return plan
 
@@ -320,6 +322,11 @@ def main() -> None:
             bench["allreduce"] = {"config": plan["allreduce"], "backend": "gloo",
                                   "source": "lessons/10_allreduce_algorithms.py",
                                   "rows": got["allreduce"]}
+
+    if set(plan["benchmarks"]) & {"fsdp", "tp", "pipeline"}:
+        from bench import part2
+        ui.print("starting 1, then 2 CPU ranks (gloo) for Part 2's transformer")
+        bench.update(part2.run(plan, spawn_ranks, ui))
 
     if "gpu" in plan["benchmarks"]:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
