@@ -309,3 +309,313 @@ def run(plan: dict, spawn_ranks, ui) -> dict:
         ui.print(f"  part 2 on {world} rank{'s' if world > 1 else ''}: "
                  f"{', '.join(got)} ({time.perf_counter() - started:.0f} s)")
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Tables (the same in both languages) and the page's sections, every sentence from the data
+# ---------------------------------------------------------------------------------------
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:,.0f}"
+
+
+def _ms(s: dict) -> str:
+    from bench.report import spread
+    return spread(s)
+
+
+def fsdp_table(sec: dict):
+    rows = [[r["strategy"], r["world_size"], _ms(r["sequences_per_s"]), _ms(r["step_ms"]),
+             f"{r['calls_per_step']:g}", _kib(r["sent_bytes_per_step"]),
+             *(_kib(r["held_bytes"][k]) for k in sharding.KEYS)] for r in sec["rows"]]
+    return ("FSDP2 vs DDP on the transformer (CPU, gloo)",
+            ["strategy", "ranks", "sequences/s (min-max)", "step ms (min-max)", "calls/step",
+             "KiB sent/step", "KiB params", "KiB grads", "KiB optimizer"], rows)
+
+
+def tp_table(sec: dict):
+    rows = [[r["impl"] + (" + SP" if r["sequence_parallel"] else ""),
+             ", ".join(f"{n} {k}" for k, n in r["block_calls"].items()),
+             _kib(r["block_sent_bytes"]), _ms(r["block_comm_ms"]), _ms(r["step_comm_ms"]),
+             _ms(r["step_ms"])] for r in sec["rows"]]
+    rows.append(["one process, whole model", "-", "-", "-", "-", _ms(sec["plain_step_ms"])])
+    return ("Tensor parallel on 2 ranks: collectives per block and per step",
+            ["variant", "calls per block", "KiB sent per block", "block's collectives ms",
+             "step's collectives ms", "step ms (min-max)"], rows)
+
+
+def pipeline_table(sec: dict):
+    rows = [[r["schedule"], r["stages"], f"{r['predicted_idle']:.0%}",
+             "-" if r["formula_idle"] is None else f"{r['formula_idle']:.0%}",
+             _ms(r["step_ms"]), f"{r['measured_idle']:.0%}"] for r in sec["rows"]]
+    rows.append(["one process, whole model", 1, "-", "-", _ms(sec["plain_step_ms"]), "-"])
+    return (f"Pipeline schedules on 2 ranks, {sec['config']['microbatches']} micro-batches",
+            ["schedule", "stages", "idle predicted (timeline)", "(p-1)/(m+p-1)",
+             "step ms (min-max)", "idle measured"], rows)
+
+
+def all_tables(b: dict) -> list:
+    return ([("fsdp", fsdp_table(b["fsdp"]))] if "fsdp" in b else []) + \
+           ([("tp", tp_table(b["tp"]))] if "tp" in b else []) + \
+           ([("pipeline", pipeline_table(b["pipeline"]))] if "pipeline" in b else [])
+
+
+def _row(rows, strategy, n):
+    return next((r for r in rows if r["strategy"] == strategy and r["world_size"] == n), None)
+
+
+def fsdp_lines(sec: dict) -> list[str]:
+    from bench.doc import L, compare, order, real
+    rows, out = sec["rows"], []
+    ddp1, ddp2 = _row(rows, "ddp", 1), _row(rows, "ddp", 2)
+    z3, z2 = _row(rows, "fsdp-zero3", 2), _row(rows, "fsdp-zero2", 2)
+    if ddp2 and z3:
+        r = sum(z3["held_bytes"].values()) / sum(ddp2["held_bytes"].values())
+        if r <= 0.6:
+            out.append(L(f"* Memory: on 2 ranks each FSDP2 rank held {r:.0%} of what a DDP rank "
+                         f"held: parameters, gradients and optimizer state are all divided by "
+                         f"the ranks, where DDP keeps a whole copy of each on every rank.",
+                         f"* 内存：在 2 个秩上，FSDP2 每个秩持有的字节数是 DDP 每个秩的 {r:.0%}："
+                         f"参数、梯度和优化器状态都按秩切分，而 DDP 在每个秩上都保留完整的一份。"))
+        elif r < 0.95:
+            out.append(L(f"* Memory: each FSDP2 rank held {r:.0%} of a DDP rank's bytes: less, "
+                         f"but not the 50% that an even split would give.",
+                         f"* 内存：FSDP2 每个秩持有 DDP 每个秩的 {r:.0%}：更少，但没有达到均匀切分"
+                         f"应有的 50%。"))
+        else:
+            out.append(L(f"* Memory: each FSDP2 rank held {r:.0%} of a DDP rank's bytes: "
+                         f"sharding saved nothing here.",
+                         f"* 内存：FSDP2 每个秩持有 DDP 每个秩的 {r:.0%}：在这里切分没有节省内存。"))
+    if ddp2 and z3 and ddp2["sent_bytes_per_step"]:
+        s3 = z3["sent_bytes_per_step"] / ddp2["sent_bytes_per_step"]
+        if s3 > 1.05:
+            out.append(L(f"* Bytes: ZeRO-3 sent {s3:.2f}x DDP's bytes per step: it all-gathers "
+                         f"the parameters for forward, again for backward, and reduce-scatters "
+                         f"the gradients, where DDP only all-reduces the gradients.",
+                         f"* 字节：ZeRO-3 每步发送的字节是 DDP 的 {s3:.2f} 倍：它为前向收集一次参数，"
+                         f"为反向再收集一次，再对梯度做规约-散播；DDP 只对梯度做全局规约。"))
+        elif s3 >= 0.95:
+            out.append(L(f"* Bytes: ZeRO-3 sent {s3:.2f}x DDP's bytes per step: about the same.",
+                         f"* 字节：ZeRO-3 每步发送的字节是 DDP 的 {s3:.2f} 倍：大致相同。"))
+        else:
+            out.append(L(f"* Bytes: ZeRO-3 sent only {s3:.2f}x DDP's bytes per step.",
+                         f"* 字节：ZeRO-3 每步只发送了 DDP 的 {s3:.2f} 倍字节。"))
+        if z2 and z3["sent_bytes_per_step"]:
+            s2 = z2["sent_bytes_per_step"] / z3["sent_bytes_per_step"]
+            if s2 < 0.95:
+                out.append(L(f"* reshard_after_forward=False (ZeRO-2-like) sent {1 - s2:.0%} less "
+                             f"than ZeRO-3: it keeps the gathered parameters from forward to "
+                             f"backward, so it skips the second all-gather, and holds them in "
+                             f"memory in between.",
+                             f"* reshard_after_forward=False（类 ZeRO-2）比 ZeRO-3 少发送 {1 - s2:.0%}："
+                             f"它把前向收集到的参数保留到反向，省掉第二次全收集，代价是这段时间里要在内存中持有它们。"))
+            else:
+                out.append(L("* reshard_after_forward=False (ZeRO-2-like) sent no less than "
+                             "ZeRO-3 in this run.",
+                             "* 在这次运行中，reshard_after_forward=False（类 ZeRO-2）发送的字节不比 ZeRO-3 少。"))
+    if ddp2 and z3:
+        o = order(z3["sequences_per_s"], ddp2["sequences_per_s"])
+        line = L(f"* Speed on 2 ranks: ZeRO-3's throughput was "
+                 f"{compare(z3['sequences_per_s'], ddp2['sequences_per_s'], 'DDP')}.",
+                 f"* 2 个秩上的速度：ZeRO-3 的吞吐量"
+                 f"{compare(z3['sequences_per_s'], ddp2['sequences_per_s'], 'DDP')}。")
+        if o < 0:
+            line += L(" On a model this small the extra collectives and FSDP2's bookkeeping "
+                      "cost more than sharding saves: FSDP pays when memory, not speed, is "
+                      "the limit.",
+                      "在这么小的模型上，多出来的集合通信和 FSDP2 的管理开销超过了切分带来的好处："
+                      "当限制在于内存而不是速度时，FSDP 才划算。")
+        elif o > 0:
+            line += L(" Here FSDP2 was also faster than DDP.", "在这里 FSDP2 还比 DDP 更快。")
+        out.append(line)
+    if ddp1 and ddp2:
+        x = ddp2["sequences_per_s"]["median"] / ddp1["sequences_per_s"]["median"]
+        out.append(L(f"* DDP on 2 ranks trained {x:.2f}x the sequences/s of 1 rank; "
+                     f"{real(ddp2['sequences_per_s'], ddp1['sequences_per_s'])}.",
+                     f"* 2 个秩上的 DDP 每秒训练的序列数是 1 个秩的 {x:.2f} 倍；"
+                     f"{real(ddp2['sequences_per_s'], ddp1['sequences_per_s'])}。"))
+    return out
+
+
+def _name(r: dict) -> str:
+    return r["impl"] + (" + SP" if r["sequence_parallel"] else "")
+
+
+def tp_lines(sec: dict) -> list[str]:
+    from bench.doc import L, compare, order
+    rows, out = sec["rows"], []
+    if not rows:
+        return out
+    shares = {_name(r): r["step_comm_ms"]["median"] / r["step_ms"]["median"] for r in rows}
+    big = [n for n, s in shares.items() if s > 0.5]
+    listed = ", ".join(f"{n} {s:.0%}" for n, s in shares.items())
+    if len(big) == len(shares):
+        out.append(L(f"* The collectives of a step, replayed alone, took more than half of the "
+                     f"step's time in every variant ({listed}): at width {sec['model']['dim']} "
+                     f"a block has little arithmetic to set against the collectives inside it.",
+                     f"* 把一步中的集合通信单独重放，在每个变体里都占了该步一半以上的时间（{listed}）："
+                     f"宽度为 {sec['model']['dim']} 时，一个块里的计算量很少，抵不过块内的集合通信。"))
+    elif not big:
+        out.append(L(f"* The collectives of a step, replayed alone, took less than half of the "
+                     f"step's time in every variant ({listed}): computation, not communication, "
+                     f"was most of a step.",
+                     f"* 把一步中的集合通信单独重放，在每个变体里都不到该步时间的一半（{listed}）："
+                     f"一步的大部分是计算，而不是通信。"))
+    else:
+        out.append(L(f"* The collectives of a step, replayed alone, took more than half of the "
+                     f"step in {', '.join(big)}, less in the others ({listed}).",
+                     f"* 把一步中的集合通信单独重放，在 {', '.join(big)} 中占了该步一半以上的时间，"
+                     f"在其他变体中不到一半（{listed}）。"))
+    best = min(rows, key=lambda r: r["step_ms"]["median"])
+    o = order(best["step_ms"], sec["plain_step_ms"])
+    line = L(f"* The fastest split ({_name(best)}) took a step in a time "
+             f"{compare(best['step_ms'], sec['plain_step_ms'], 'one process with the whole model')}.",
+             f"* 最快的切分方式（{_name(best)}）完成一步所用的时间"
+             f"{compare(best['step_ms'], sec['plain_step_ms'], '拥有整个模型的单进程')}。")
+    if o > 0:
+        line += L(" Splitting a model this small made it slower: tensor parallel is for layers "
+                  "too big for one device, and it needs a fast link (NVLink), because it "
+                  "communicates inside every block, forward and backward.",
+                  "把这么小的模型切开反而更慢：张量并行是为单个设备放不下的层准备的，而且它需要"
+                  "高速互联（NVLink），因为它在每个块的前向和反向中都要通信。")
+    elif o < 0:
+        line += L(" Here splitting the layers over 2 ranks paid off.",
+                  "在这里把层切到 2 个秩上是划算的。")
+    out.append(line)
+    by = {(r["impl"], r["sequence_parallel"]): r for r in rows}
+    for impl in ("manual", "dtensor"):
+        tp_row, sp_row = by.get((impl, False)), by.get((impl, True))
+        if tp_row and sp_row and tp_row["block_sent_bytes"]:
+            x = sp_row["block_sent_bytes"] / tp_row["block_sent_bytes"]
+            same = abs(x - 1) < 0.02
+            out.append(L(f"* {impl}: with sequence parallel a block sent {x:.2f}x the bytes of "
+                         f"plain tensor parallel"
+                         + (" (a reduce-scatter plus an all-gather moves what one all-reduce "
+                            "moves)" if same else "")
+                         + f"; its collectives took a time "
+                         f"{compare(sp_row['block_comm_ms'], tp_row['block_comm_ms'], 'plain TP')}.",
+                         f"* {impl}：使用序列并行时，一个块发送的字节是普通张量并行的 {x:.2f} 倍"
+                         + ("（一次规约-散播加一次全收集，传输量与一次全局规约相同）" if same else "")
+                         + f"；它的集合通信所用时间"
+                         f"{compare(sp_row['block_comm_ms'], tp_row['block_comm_ms'], '普通张量并行')}。"))
+    return out
+
+
+def pipeline_lines(sec: dict) -> list[str]:
+    from bench.doc import L, compare, order
+    rows, out = sec["rows"], []
+    if not rows:
+        return out
+    pred = min(rows, key=lambda r: r["predicted_idle"])
+    fast = min(rows, key=lambda r: r["step_ms"]["median"])
+    clear = all(order(fast["step_ms"], r["step_ms"]) < 0 for r in rows if r is not fast)
+    if fast is pred and clear:
+        out.append(L(f"* The schedule whose timeline predicts the smallest bubble "
+                     f"({pred['schedule']}, {pred['predicted_idle']:.0%} idle) was also the "
+                     f"fastest, beyond the spread.",
+                     f"* 时间线预测气泡最小的调度（{pred['schedule']}，空闲 {pred['predicted_idle']:.0%}）"
+                     f"也确实最快，超出了波动范围。"))
+    elif clear:
+        out.append(L(f"* The prediction did not hold: {pred['schedule']} has the smallest "
+                     f"predicted bubble ({pred['predicted_idle']:.0%}), but {fast['schedule']} "
+                     f"(predicted {fast['predicted_idle']:.0%}) was the fastest, beyond the "
+                     f"spread.",
+                     f"* 预测没有成立：{pred['schedule']} 的预测气泡最小（{pred['predicted_idle']:.0%}），"
+                     f"但 {fast['schedule']}（预测 {fast['predicted_idle']:.0%}）最快，超出了波动范围。"))
+    else:
+        out.append(L(f"* No schedule was faster than all the others beyond the spread, so this "
+                     f"run cannot confirm that {pred['schedule']}'s smaller predicted bubble "
+                     f"({pred['predicted_idle']:.0%}) makes it faster.",
+                     f"* 没有哪个调度超出波动范围地快于其他所有调度，所以这次运行无法证实 "
+                     f"{pred['schedule']} 较小的预测气泡（{pred['predicted_idle']:.0%}）能让它更快。"))
+    worse = [r for r in rows if r["measured_idle"] > r["predicted_idle"] + 0.05]
+    if len(worse) == len(rows):
+        out.append(L("* Every schedule lost more time than its timeline predicts. The timeline "
+                     "counts a forward as 1 unit, a backward as 2, and communication as free; "
+                     "the measured idle share (1 - one process's step / (2 x the pipeline's "
+                     "step)) also holds the sends and receives between stages and each "
+                     "micro-batch's fixed cost, which grow with the number of stages.",
+                     "* 每个调度损失的时间都比它的时间线预测的多。时间线把一次前向算作 1 个单位、一次反向"
+                     "算作 2 个单位，并认为通信不花时间；而实测的空闲比例（1 - 单进程一步的时间 / (2 x "
+                     "流水线一步的时间)）还包含阶段之间的发送和接收，以及每个微批次的固定开销，它们随阶段数增加。"))
+    elif worse:
+        out.append(L(f"* {', '.join(r['schedule'] for r in worse)} lost more time than "
+                     f"predicted (by more than 5 points); the others came within 5 points of "
+                     f"their timeline.",
+                     f"* {', '.join(r['schedule'] for r in worse)} 损失的时间比预测多（超过 5 个百分点）；"
+                     f"其余调度与各自的时间线相差不到 5 个百分点。"))
+    else:
+        out.append(L("* Every schedule's measured idle share came within 5 points of its "
+                     "timeline's prediction, or below it.",
+                     "* 每个调度实测的空闲比例都与时间线的预测相差不到 5 个百分点，或者更低。"))
+    o = order(fast["step_ms"], sec["plain_step_ms"])
+    out.append(L(f"* The fastest pipeline ({fast['schedule']}) took a step in a time "
+                 f"{compare(fast['step_ms'], sec['plain_step_ms'], 'one process with the whole model')}"
+                 + (": the pipeline used its 2 ranks to go faster." if o < 0 else
+                    ": on this small model 2 stages did not buy speed; a pipeline is for a model "
+                    "that does not fit on one device." if o > 0 else "."),
+                 f"* 最快的流水线（{fast['schedule']}）完成一步所用的时间"
+                 f"{compare(fast['step_ms'], sec['plain_step_ms'], '拥有整个模型的单进程')}"
+                 + ("：流水线用它的 2 个秩跑得更快。" if o < 0 else
+                    "：在这个小模型上，2 个阶段没有换来速度；流水线是为一个设备放不下的模型准备的。"
+                    if o > 0 else "。")))
+    return out
+
+
+def sections(b: dict) -> list[str]:
+    """Sections 6-8 of PERFORMANCE.md, in the language bench.doc is writing."""
+    from bench.doc import API, L, TEACHES, md_table
+    out = []
+    if "fsdp" in b:
+        sec, m = b["fsdp"], b["fsdp"]["model"]
+        out += [L("## 6. FSDP2 vs DDP on the transformer", "## 6. Transformer 上的 FSDP2 与 DDP"), "",
+                L(f"Lesson 15: the Part 2 recipe ({m['blocks']} blocks, width {m['dim']}, "
+                  f"{m['params']:,} parameters, global batch {m['global_batch']} sequences of "
+                  f"{m['seq']} tokens) trained with DDP, with FSDP2's "
+                  f"[`fully_shard`]({API}/distributed.fsdp.fully_shard.html) on every block and "
+                  f"the root (ZeRO-3), and with `reshard_after_forward=False` (ZeRO-2-like), on "
+                  f"1 and 2 ranks. Bytes sent are counted per call by lesson 14's CommLog "
+                  f"(apparatus/comm.py, ring formulas); bytes held are read from each rank's own "
+                  f"tensors (apparatus/sharding.py), the largest over the ranks.",
+                  f"第 15 课：Part 2 的配方模型（{m['blocks']} 个块，宽度 {m['dim']}，{m['params']:,} 个参数，"
+                  f"全局批次 {m['global_batch']} 条、每条 {m['seq']} 个词元的序列），分别用 DDP、在每个块和根模块上"
+                  f"调用 FSDP2 的 [`fully_shard`]({API}/distributed.fsdp.fully_shard.html)（ZeRO-3），以及 "
+                  f"`reshard_after_forward=False`（类 ZeRO-2）在 1 个和 2 个秩上训练。发送的字节由第 14 课的 "
+                  f"CommLog（apparatus/comm.py，环形公式）逐次调用计数；持有的字节从每个秩自己的张量读出"
+                  f"（apparatus/sharding.py），取各秩中的最大值。"), "",
+                md_table(*fsdp_table(sec)), L(*TEACHES), ""] + fsdp_lines(sec) + [""]
+    if "tp" in b:
+        sec = b["tp"]
+        out += [L("## 7. Tensor parallel: the cost of its collectives", "## 7. 张量并行：集合通信的代价"), "",
+                L("Lesson 17's split of every block on 2 ranks, by hand and with DTensor's "
+                  f"[`parallelize_module`]({API}/distributed.tensor.parallel.html), with and "
+                  "without sequence parallel (SP). apparatus/tensor_parallel.py counts every "
+                  "collective of one training step and the block it serves; the collectives of "
+                  "one block, and of the whole step, are then replayed alone with "
+                  "`torch.distributed` calls of the same kinds and sizes, and timed. Beside them: "
+                  "a whole step, and one process training the whole model on the whole batch.",
+                  "第 17 课在 2 个秩上切分每个块，分别用手写方式和 DTensor 的 "
+                  f"[`parallelize_module`]({API}/distributed.tensor.parallel.html)，并分别开启和不开启序列并行（SP）。"
+                  "apparatus/tensor_parallel.py 统计一个训练步中的每次集合通信及其所属的块；然后用同样种类和"
+                  "大小的 `torch.distributed` 调用单独重放一个块的、以及整步的集合通信并计时。旁边列出完整一步"
+                  "的时间，以及单个进程用整个批次训练整个模型的时间。"), "",
+                md_table(*tp_table(sec)), L(*TEACHES), ""] + tp_lines(sec) + [""]
+    if "pipeline" in b:
+        sec = b["pipeline"]
+        out += [L("## 8. Pipeline schedules: measured time beside the predicted bubble",
+                  "## 8. 流水线调度：实测时间与预测的气泡"), "",
+                L(f"Lesson 18's schedules from "
+                  f"[`torch.distributed.pipelining`]({API}/distributed.pipelining.html) on 2 "
+                  f"ranks, {sec['config']['microbatches']} micro-batches. *Idle predicted* is "
+                  f"the share of rank-time the schedule's own timeline leaves idle (its recorded "
+                  f"actions, a forward 1 unit, a backward 2, communication free: "
+                  f"apparatus/pipeline.py); *idle measured* is 1 - (one process's step) / "
+                  f"(2 x the pipeline's step), what the 2 ranks lost against splitting one "
+                  f"process's work perfectly.",
+                  f"第 18 课中 [`torch.distributed.pipelining`]({API}/distributed.pipelining.html) 的调度，"
+                  f"2 个秩，{sec['config']['microbatches']} 个微批次。*预测空闲*是调度自己的时间线中空闲的秩时间"
+                  f"比例（按记录的动作，一次前向 1 个单位、一次反向 2 个单位、通信不计时间：apparatus/pipeline.py）；"
+                  f"*实测空闲*是 1 - （单进程一步的时间）/（2 x 流水线一步的时间），即 2 个秩相对于完美分摊单进程"
+                  f"工作所损失的部分。"), "",
+                md_table(*pipeline_table(sec)), L(*TEACHES), ""] + pipeline_lines(sec) + [""]
+    return out
