@@ -468,3 +468,117 @@ def test_no_sync_and_allreduce_sentences_follow_the_data():
     en, zh = both(doc.allreduce_lines, allreduce(12.0, 4.0), {"cpu_count": 8})
     assert "the bytes matter less" in en and "字节数不如跨网络时重要" in zh
     assert "gloo's own all-reduce won" not in en  # 4.0 vs the server's 4.0: within the spread
+
+
+# ---------------------------------------------------------------------------------------
+# Part 2: FSDP2 vs DDP, tensor parallel, pipeline schedules (bench/part2.py)
+# ---------------------------------------------------------------------------------------
+
+def test_part2_measures_bytes_exactly(quick):
+    """Counts and bytes do not depend on the machine: DDP on 2 ranks sends 2(N-1)/N of the
+    gradients = their bytes once; ZeRO-3 1.5x that; ZeRO-2-like as DDP; FSDP2 halves what a
+    rank holds (the recipe's dims are even: no padding)."""
+    out, res, stdout = quick
+    b = res["benchmarks"]
+    params = b["fsdp"]["model"]["params"] * 4
+    rows = {(r["strategy"], r["world_size"]): r for r in b["fsdp"]["rows"]}
+    assert set(rows) == {(s, n) for s in ("ddp", "fsdp-zero3", "fsdp-zero2") for n in (1, 2)}
+    for r in rows.values():
+        check_summary(r["sequences_per_s"], 3)
+    assert rows["ddp", 2]["sent_bytes_per_step"] == params
+    assert rows["fsdp-zero3", 2]["sent_bytes_per_step"] == 1.5 * params
+    assert rows["fsdp-zero2", 2]["sent_bytes_per_step"] == params
+    for s in ("ddp", "fsdp-zero3", "fsdp-zero2"):
+        assert rows[s, 1]["sent_bytes_per_step"] == 0  # a world of one sends nothing
+        assert rows[s, 1]["held_bytes"] == {"parameters": params, "gradients": params,
+                                            "optimizer_state": 2 * params}
+    assert rows["fsdp-zero3", 2]["held_bytes"] == {"parameters": params // 2, "gradients": params // 2,
+                                                   "optimizer_state": params}
+    tp = b["tp"]["rows"]
+    assert tp and all(r["block_sent_bytes"] > 0 and r["step_calls"] > 0 for r in tp)
+    check_summary(b["tp"]["plain_step_ms"], 3)
+    pipe = {r["schedule"]: r for r in b["pipeline"]["rows"]}
+    assert pipe["gpipe"]["predicted_idle"] == pipe["gpipe"]["formula_idle"] == 0.2  # (2-1)/(4+2-1)
+    assert pipe["zero-bubble"]["predicted_idle"] < pipe["gpipe"]["predicted_idle"]
+    assert "FSDP2 vs DDP on the transformer" in stdout and "Pipeline schedules on 2 ranks" in stdout
+
+
+def test_part2_sections_on_the_page(quick, tmp_path):
+    out, _, _ = quick
+    doc = tmp_path / "PERFORMANCE.md"
+    run([sys.executable, "-m", "bench.run", "--write-doc", "--out", str(out), "--doc", str(doc)],
+        timeout=60)
+    en, zh = doc.read_text(), (tmp_path / "zh" / "PERFORMANCE.md").read_text()
+    for heading in ("## 6. FSDP2 vs DDP", "## 7. Tensor parallel", "## 8. Pipeline schedules"):
+        assert heading in en
+    assert "## 6. Transformer 上的 FSDP2 与 DDP" in zh and "## 8. 流水线调度" in zh
+    table = lambda t: [line for line in t.splitlines() if line.startswith("|")]  # noqa: E731
+    assert table(en) == table(zh)
+
+
+def fsdp_sec(ddp: tuple, z3: tuple, z2_sent: float, ddp1: float = 100.0) -> dict:
+    """ddp, z3: (sequences/s, bytes sent, bytes held) on 2 ranks."""
+    def row(strategy, n, sps, sent, held):
+        return {"strategy": strategy, "world_size": n, "sequences_per_s": stat(sps),
+                "sent_bytes_per_step": sent,
+                "held_bytes": {"parameters": held, "gradients": held, "optimizer_state": 2 * held}}
+    return {"rows": [row("ddp", 1, ddp1, 0, 400), row("ddp", 2, *ddp), row("fsdp-zero3", 2, *z3),
+                     row("fsdp-zero2", 2, z3[0], z2_sent, z3[2])]}
+
+
+def test_part2_fsdp_sentences_follow_the_data():
+    from bench import part2
+    en, zh = both(part2.fsdp_lines, fsdp_sec((180, 400, 400), (80, 600, 200), 400))
+    assert "held 50% of what a DDP rank" in en and "按秩切分" in zh
+    assert "sent 1.50x DDP's bytes" in en and "1.50 倍" in zh
+    assert "sent 33% less than ZeRO-3" in en and "少发送 33%" in zh
+    assert "cost more than sharding saves" in en and "FSDP 才划算" in zh
+    assert "1.80x the sequences/s" in en
+    en, zh = both(part2.fsdp_lines, fsdp_sec((100, 400, 400), (150, 400, 400), 400, ddp1=200))
+    assert "sharding saved nothing" in en and "没有节省内存" in zh
+    assert "about the same" in en and "cost more than" not in en
+    assert "sent no less than ZeRO-3" in en and "不比 ZeRO-3 少" in zh
+    assert "FSDP2 was also faster" in en and "更快" in zh
+    en, _ = both(part2.fsdp_lines, fsdp_sec((100, 400, 400), (101, 700, 300), 700))
+    assert "not the 50%" in en and "no different from DDP beyond" in en
+
+
+def test_part2_tp_and_pipeline_sentences_follow_the_data():
+    from bench import part2
+
+    def tp_sec(step: float, comm: float, plain: float, sp_bytes: float = 100.0) -> dict:
+        rows = [{"impl": "manual", "sequence_parallel": sp, "block_calls": {},
+                 "block_sent_bytes": sp_bytes if sp else 100.0, "step_ms": stat(step),
+                 "step_comm_ms": stat(comm), "block_comm_ms": stat(comm / 2 * (1.5 if sp else 1))}
+                for sp in (False, True)]
+        return {"rows": rows, "plain_step_ms": stat(plain), "model": {"dim": 64}}
+
+    en, zh = both(part2.tp_lines, tp_sec(100, 70, 50))
+    assert "more than half of the step's time in every variant" in en and "一半以上" in zh
+    assert "made it slower" in en and "反而更慢" in zh
+    assert "1.00x the bytes" in en and "moves what one all-reduce moves" in en
+    assert "higher than plain TP by 50%" in en
+    en, zh = both(part2.tp_lines, tp_sec(40, 10, 100, sp_bytes=50))
+    assert "less than half" in en and "paid off" in en and "划算" in zh
+    assert "0.50x the bytes" in en and "all-reduce moves" not in en
+
+    def pipe_sec(times: dict, measured: dict, plain: float = 150.0) -> dict:
+        pred = {"gpipe": 0.2, "1f1b": 0.2, "interleaved": 0.11, "zero-bubble": 0.04}
+        return {"rows": [{"schedule": s, "predicted_idle": pred[s], "step_ms": stat(t),
+                          "measured_idle": measured[s]} for s, t in times.items()],
+                "plain_step_ms": stat(plain)}
+
+    good = pipe_sec({"gpipe": 100, "1f1b": 100, "interleaved": 95, "zero-bubble": 80},
+                    {"gpipe": 0.22, "1f1b": 0.22, "interleaved": 0.12, "zero-bubble": 0.06})
+    en, zh = both(part2.pipeline_lines, good)
+    assert "(zero-bubble, 4% idle) was also the fastest" in en and "也确实最快" in zh
+    assert "within 5 points" in en and "used its 2 ranks to go faster" in en
+    bad = pipe_sec({"gpipe": 80, "1f1b": 100, "interleaved": 120, "zero-bubble": 110},
+                   {"gpipe": 0.3, "1f1b": 0.4, "interleaved": 0.5, "zero-bubble": 0.6}, plain=60)
+    en, zh = both(part2.pipeline_lines, bad)
+    assert "The prediction did not hold" in en and "预测没有成立" in zh
+    assert "Every schedule lost more time" in en and "did not buy speed" in en
+    tie = pipe_sec({"gpipe": 100, "1f1b": 100, "interleaved": 100, "zero-bubble": 99},
+                   {"gpipe": 0.3, "1f1b": 0.22, "interleaved": 0.12, "zero-bubble": 0.06})
+    en, _ = both(part2.pipeline_lines, tie)
+    assert "cannot confirm" in en and "gpipe lost more time than predicted" in en
