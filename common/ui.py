@@ -269,7 +269,7 @@ class _Signal:
     Rank 0 writes the key `lesson_step/<n>` (n counts this process's pauses, the same on every
     rank): "wait <i>" once a second while the learner reads, then "go" or "quit". The others
     poll the key. They give up only if rank 0 does not reach the pause, or its heartbeat
-    stops, for the store's timeout (the process group's, in these lessons): the same bound a
+    stops, for the store's timeout (the process group's, in these lessons; at least 3 s): the same bound a
     collective would have, without a single collective on the training process group.
     """
     count = 0  # pauses in this process; a class attribute, so a second UI cannot reuse a key
@@ -297,7 +297,7 @@ class _Signal:
                 pass
 
     def receive(self) -> str:
-        limit = self.store.timeout.total_seconds()
+        limit = max(self.store.timeout.total_seconds(), 3.0)  # at least three missed beats
         last, since = None, time.monotonic()
         while True:
             value = self.store.get(self.key).decode() if self.store.check([self.key]) else None

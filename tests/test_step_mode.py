@@ -1,4 +1,5 @@
 """--step in a real pseudo-terminal: pauses, resumes on Enter, quits on q with every process gone."""
+import json
 import os
 import pty
 import re
@@ -6,6 +7,7 @@ import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from conftest import ROOT, lesson_path
 
@@ -106,3 +108,58 @@ def test_torchrun_workers_pause_only_once_they_can_wait_together(tmp_path):
     t.type("q\n")
     t.expect(r"Stopped at your request")
     assert t.exit_code(timeout=90) == 0
+
+
+def test_waiting_adds_no_collective_to_the_training_group(tmp_path):
+    """Rank 0's answer must not travel as a collective on the lesson's process group: the
+    flight recorder of a 2-rank run whose pauses were answered (one after longer than the
+    group's timeout, so rank 0 sent heartbeats) lists exactly the run's own three
+    all-reduces, numbered 1, 2, 3, as a run without --step does. The run is this file as
+    a script (see the bottom). Before the store carried the answer, each pause added
+    broadcasts here."""
+    t = Terminal(__file__, tmp_path)
+    t.expect(r"next: Step 2: second all-reduce")
+    t.expect(r"\[Enter\] next step")
+    time.sleep(TIMEOUT_S + 0.5)  # longer than the group's timeout: rank 1 must still wait
+    t.type("\n")
+    t.expect(r"next: Step 3: third all-reduce")
+    t.expect(r"\[Enter\] next step")
+    t.type("\n")
+    t.expect(r"recorded")
+    assert t.exit_code() == 0
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"fr_{rank}.json").read_text())
+        assert seen == [[1, "gloo:all_reduce"], [2, "gloo:all_reduce"], [3, "gloo:all_reduce"]], \
+            (rank, seen)
+
+
+TIMEOUT_S = 2  # the process group's timeout in the script below
+
+
+def _fr_worker(rank: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from common.distributed import die_with_parent, init_from_env, teardown
+    from common.ui import UI
+    die_with_parent()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    init_from_env("gloo", TIMEOUT_S)
+    ui = UI(rank, 2, step_mode=True)
+    for n, title in enumerate(["first all-reduce", "second all-reduce", "third all-reduce"], 1):
+        ui.step(n, title)
+        dist.all_reduce(torch.ones(4))
+    # the flight recorder's entries of the default group (pg_id 0), as lesson 20 reads them
+    dump = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
+    seen = [[int(e["collective_seq_id"]), e["profiling_name"]] for e in dump.get("entries", [])
+            if int(e.get("pg_id", 0)) == 0]
+    (Path(out) / f"fr_{rank}.json").write_text(json.dumps(seen))
+    ui.print("recorded")
+    teardown()
+
+
+if __name__ == "__main__":  # python tests/test_step_mode.py OUT: 2 ranks, 3 steps, --step on
+    from common.distributed import LOOPBACK, free_port, spawn
+    from common.ui import share_terminal_with_children
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()), TORCH_FR_BUFFER_SIZE="100")
+    share_terminal_with_children()
+    spawn(_fr_worker, (sys.argv[1],), 2)
