@@ -269,8 +269,8 @@ class _Signal:
     Rank 0 writes the key `lesson_step/<n>` (n counts this process's pauses, the same on every
     rank): "wait <i>" once a second while the learner reads, then "go" or "quit". The others
     poll the key. They give up only if rank 0 does not reach the pause, or its heartbeat
-    stops, for the store's timeout (the process group's, in these lessons; at least 3 s): the same bound a
-    collective would have, without a single collective on the training process group.
+    stops, for the store's timeout (the process group's in these lessons; at least 3 s): the
+    bound a collective would have, without a single collective on the training group.
     """
     count = 0  # pauses in this process; a class attribute, so a second UI cannot reuse a key
 
