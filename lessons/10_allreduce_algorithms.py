@@ -13,6 +13,10 @@ Both are checked against `dist.all_reduce`, drawn step by step, and timed beside
 several world sizes N and tensor sizes S. The bytes follow the formulas exactly: the
 server's rank 0 moves (N-1)*S in and out, a ring rank 2(N-1)/N*S.
 
+It opens its own topic (all-reduce by hand), so it names no parent lesson. What only checks
+flags, prints or measures (the byte tables, the ring picture, the timing table, the timeout
+message) is in apparatus/allreduce.py.
+
 Run:
     make lesson-10
     make lesson-10 ARGS="--world-size 3"
@@ -21,15 +25,12 @@ Run:
 
 Doc: docs/10_allreduce_algorithms.md
 """
-import argparse
 import datetime
 import json
 import logging
 import os
-import statistics
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
@@ -37,26 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import co
 import torch
 import torch.distributed as dist
 
-from common.cli import fail, lesson_parser, nonnegative_int, positive_int, run
+from common.cli import lesson_parser, nonnegative_int, positive_int, run
 from common.distributed import choose_port, env_store, spawn, teardown
 from common.results import atomic_write, out_dir, shown
 from common.ui import UI
+from apparatus.allreduce import (FLOAT_BYTES, check_args, draw_ring, explain_timeout, show_bytes,
+                                 show_checks, show_totals, size_list, timing_table)
 
-MAX_WORLD = 8        # 8 processes on a laptop already measure mostly waiting
 PICTURE_RANKS = 4    # the ring picture stays readable up to 4 ranks
-FLOAT_BYTES = 4      # every tensor here is float32
-
-
-def size_list(text: str) -> list[int]:
-    """--sizes 1000,1000000 -> [1000, 1000000] (numbers of float32 elements)."""
-    try:
-        sizes = [int(part.replace("_", "")) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected whole numbers separated by commas, got {text!r}")
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"expected sizes of 1 element or more, got {text!r}")
-    return sizes
 
 
 def parse_args():
@@ -72,18 +61,7 @@ def parse_args():
                         help="a broken mode: this rank skips its part of the ring, and its "
                              "neighbours wait for it until --timeout ends the job")
     args = parser.parse_args()
-    n = args.world_size
-    if n < 2:
-        fail(f"--world-size {n} leaves nobody to exchange tensors with; an all-reduce needs "
-             f"at least 2 ranks: use --world-size 2 or more (the default is 4)")
-    if n > MAX_WORLD:
-        fail(f"--world-size {n} is more processes than this lesson measures usefully on one "
-             f"machine; use {MAX_WORLD} or fewer")
-    if args.skip_rank is not None and args.skip_rank >= n:
-        fail(f"--skip-rank {args.skip_rank} does not exist in a world of {n} (ranks 0..{n - 1})")
-    if args.device == "cuda":
-        fail("this lesson runs its hand-written all-reduce on CPU tensors over gloo on purpose "
-             "(it counts bytes, which do not depend on the device); leave out --device")
+    check_args(args)  # 2..8 ranks, a real --skip-rank, no --device cuda (apparatus/allreduce.py)
     return args
 
 
@@ -102,8 +80,7 @@ class Wire:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.sent = 0
-        self.received = 0
+        self.sent = self.received = 0  # bytes, counted on every call below
 
     def isend(self, tensor: torch.Tensor, to: int):
         self.sent += tensor.numel() * tensor.element_size()
@@ -248,12 +225,10 @@ def worker(rank: int, world_size: int, args) -> None:
     got = x.clone()
     server_all_reduce(got, wire)
     diff = compare_with_all_reduce(got, x)
-    rows, per_rank = byte_rows(wire, lambda r: server_bytes(big, world_size, r))
-    ui.table(f"Parameter server, N={world_size}, S={big:,} floats ({human(big * FLOAT_BYTES)})",
-             ["rank", "sent", "received", "formula (each way)", "matches"], rows)
+    results["server_bytes"] = show_bytes(ui, "Parameter server", big, wire,
+                                         lambda r: server_bytes(big, world_size, r))
     ui.print(f"max |server - dist.all_reduce| = {diff:.1e}; rank 0 moved {world_size - 1}x "
              f"what each other rank moved, in and out")
-    results["server_bytes"] = per_rank
 
     # Step 3: Watch the ring, step by step
     # A tiny tensor with one element per chunk, and rank r starting with 10^r everywhere:
@@ -286,17 +261,12 @@ def worker(rank: int, world_size: int, args) -> None:
         else:
             ring_all_reduce(got, wire)
         diff = compare_with_all_reduce(got, x)
-    rows, per_rank = byte_rows(wire, lambda r: ring_bytes(big, world_size, r))
-    ui.table(f"Ring all-reduce, N={world_size}, S={big:,} floats ({human(big * FLOAT_BYTES)})",
-             ["rank", "sent", "received", "formula (each way)", "matches"], rows)
+    results["ring_bytes"] = show_bytes(ui, "Ring all-reduce", big, wire,
+                                       lambda r: ring_bytes(big, world_size, r))
     share = 2 * (world_size - 1) / world_size
     ui.print(f"max |ring - dist.all_reduce| = {diff:.1e}; 2(N-1)/N = {share:.2f}: each rank "
              f"moves {share:.2f} S each way, the server's rank 0 moved {world_size - 1} S")
-    results["ring_bytes"] = per_rank
-    total_server = sum(row["sent"] for row in results["server_bytes"])
-    total_ring = sum(row["sent"] for row in per_rank)
-    ui.print(f"all ranks together sent {human(total_server)} (server) and {human(total_ring)} "
-             f"(ring): the same total, 2(N-1)*S; the ring spreads it evenly over every link")
+    show_totals(ui, results["server_bytes"], results["ring_bytes"])  # the same total, 2(N-1)*S
 
     # Step 5: Check both for several N and S
     # Sizes that N does not divide (chunks of unequal length), sizes smaller than N (empty
@@ -312,52 +282,27 @@ def worker(rank: int, world_size: int, args) -> None:
                 for name, algo in (("server", server_all_reduce), ("ring", ring_all_reduce)):
                     got = x_small.clone()
                     algo(got, Wire(groups[n]))
-                    worst[name] = max(worst[name],
-                                      compare_with_all_reduce(got, x_small, groups[n]))
+                    worst[name] = max(worst[name], compare_with_all_reduce(got, x_small, groups[n]))
         worst_all = torch.tensor([worst["server"], worst["ring"]], dtype=torch.float64)
         dist.all_reduce(worst_all, op=dist.ReduceOp.MAX)  # the largest on any rank
         checks.append({"n": n, "sizes": sizes, "server_max_diff": worst_all[0].item(),
                        "ring_max_diff": worst_all[1].item()})
-    ui.table("Largest |ours - dist.all_reduce| (torch.testing.assert_close passed for each)",
-             ["N", "sizes S tried", "server", "ring"],
-             [[c["n"], ", ".join(map(str, c["sizes"])), f"{c['server_max_diff']:.1e}",
-               f"{c['ring_max_diff']:.1e}"] for c in checks])
+    show_checks(ui, checks)
     results["checks"] = checks
 
     # Step 6: Time all three for several N and S
     # Each cell: one warm-up call, then --repeats timed calls. A call takes as long as its
     # slowest rank (MAX over ranks), and we keep the median call. "busiest rank" is the
     # largest number of bytes one rank sent, measured by Wire; dist.all_reduce does its
-    # own sending inside gloo, where we cannot count it.
+    # own sending inside gloo, where we cannot count it. The timing loop and the table are
+    # measurement, not the idea: apparatus/allreduce.py (time_cell, timing_table).
     ui.step(6, "Time all three for several N and S")
-    table = []
-    with ui.progress(len(groups) * len(args.sizes) * 3, "timing") as bar:
-        for n in sorted(groups):
-            for size in args.sizes:
-                for name in ("server", "ring", "dist.all_reduce"):
-                    cell = None
-                    if rank < n:
-                        cell = time_cell(name, size, groups[n], args)
-                    dist.barrier()
-                    bar.advance()
-                    if rank == 0:
-                        table.append({"n": n, "size": size, "algorithm": name, **cell})
-    rows = [[c["n"], f"{c['size']:,}", c["algorithm"], f"{c['median_ms']:.2f}",
-             "-" if c["busiest_sent"] is None else human(c["busiest_sent"]),
-             human(c["theory_bytes"]), rate(c["algbw_mbs"])] for c in table]
-    ui.table("Median time of one call; bytes sent by the busiest rank; algbw = S / time",
-             ["N", "S (floats)", "algorithm", "ms", "busiest rank sent", "formula",
-              "algbw MB/s"], rows)
-    if rank == 0:
-        for name in ("server", "ring"):
-            path = [human(c["busiest_sent"]) for c in table
-                    if c["algorithm"] == name and c["size"] == big]
-            ui.print(f"{name:>6}, S={big:,}: busiest rank sends {' -> '.join(path)} "
-                     f"for N = {', '.join(map(str, sorted(groups)))}")
-        ui.print("formula: server (N-1)*S, ring 2(N-1)/N*S; gloo's dist.all_reduce is a ring "
-                 "too (the doc shows where).\nMany ranks on few cores: the bytes are exact, "
-                 "the milliseconds are noisy.")
-    results["table"] = table
+    algorithms = {"server": server_all_reduce, "ring": ring_all_reduce,
+                  "dist.all_reduce": None}  # None: gloo's own, run as dist.all_reduce
+    formulas = {"server": lambda size, n: server_bytes(size, n, 0)[0],  # rank 0: the busiest
+                "ring": ring_formula, "dist.all_reduce": ring_formula}  # gloo's is a ring
+    results["table"] = timing_table(ui, rank, groups, args.sizes, args.repeats, Wire, algorithms,
+                                    formulas, lambda size, r: own_tensor(size, args.seed + 2, r))
 
     # Step 7: Save the results and leave the group
     # Rank 0 writes metrics.json (atomically, as every lesson does). No model holds the
@@ -366,8 +311,8 @@ def worker(rank: int, world_size: int, args) -> None:
     if rank == 0:
         results["wall_seconds"] = round(time.perf_counter() - started, 3)
         folder = out_dir("10", args.out)
-        text = json.dumps(results, indent=2) + "\n"
-        atomic_write(folder / "metrics.json", lambda f: f.write(text.encode()))
+        atomic_write(folder / "metrics.json",
+                     lambda f: f.write((json.dumps(results, indent=2) + "\n").encode()))
         ui.print(f"wrote {shown(folder / 'metrics.json')}")
     dist.barrier()
     teardown()
@@ -377,27 +322,6 @@ def worker(rank: int, world_size: int, args) -> None:
 # ---------------------------------------------------------------------------------------
 # Helpers of the steps above.
 # ---------------------------------------------------------------------------------------
-
-@contextmanager
-def explain_timeout(rank: int, timeout: float):
-    """Turn gloo's "Timed out waiting 5000ms for recv operation" into what it means here.
-
-    Which rank's error reaches the screen is a race: the first rank to time out exits,
-    and a rank still waiting on it then sees "Connection closed by peer" instead. Both
-    mean the same here, so both get the same explanation.
-    """
-    why = (f"a rank that leaves the ring blocks its neighbours, and the {timeout:g}s timeout "
-           f"(--timeout) is what ends the wait")
-    try:
-        yield
-    except RuntimeError as exc:
-        if "Timed out" in str(exc):
-            raise RuntimeError(f"rank {rank} gave up waiting for a message: {why}") from None
-        if "Connection closed by peer" in str(exc):
-            raise RuntimeError(f"rank {rank} lost a peer that had given up waiting: {why}") \
-                from None
-        raise
-
 
 def own_tensor(size: int, seed: int, rank: int) -> torch.Tensor:
     """This rank's "gradient": per-rank randomness from a private generator, never global."""
@@ -417,91 +341,6 @@ def compare_with_all_reduce(got: torch.Tensor, x: torch.Tensor, group=None) -> f
     dist.all_reduce(expected, group=group)
     torch.testing.assert_close(got, expected)
     return (got - expected).abs().max().item() if got.numel() else 0.0
-
-
-def byte_rows(wire: Wire, formula) -> tuple[list[list], list[dict]]:
-    """Every rank's measured (sent, received), gathered to all, beside the formula."""
-    counts = [None] * wire.size
-    dist.all_gather_object(counts, (wire.sent, wire.received))
-    rows, per_rank = [], []
-    for r, (sent, received) in enumerate(counts):
-        want_sent, want_received = formula(r)
-        ok = sent == want_sent and received == want_received
-        want = {human(want_sent), human(want_received)}  # differ only when N does not divide S
-        rows.append([r, human(sent), human(received), " / ".join(sorted(want)),
-                     "yes" if ok else "NO"])
-        per_rank.append({"rank": r, "sent": sent, "received": received,
-                         "formula_sent": want_sent, "formula_received": want_received})
-    return rows, per_rank
-
-
-def time_cell(name: str, size: int, group, args) -> dict:
-    """Median wall time of one all-reduce of `size` floats on `group`, and its bytes."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    x = own_tensor(size, args.seed + 2, rank)
-    buf = torch.empty_like(x)
-    times, wire = [], None
-    for i in range(args.repeats + 1):  # i == 0 is the warm-up
-        buf.copy_(x)
-        wire = Wire(group)
-        dist.barrier(group=group)  # everyone starts together
-        t0 = time.perf_counter()
-        if name == "server":
-            server_all_reduce(buf, wire)
-        elif name == "ring":
-            ring_all_reduce(buf, wire)
-        else:
-            dist.all_reduce(buf, group=group)
-        if i:
-            times.append(time.perf_counter() - t0)
-    # a call is finished when its slowest rank is: MAX over ranks, per repetition
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    sent = torch.tensor([wire.sent], dtype=torch.float64)
-    dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=group)
-    median = statistics.median(slowest.tolist())
-    theory = (n - 1) * size * FLOAT_BYTES if name == "server" else ring_formula(size, n)
-    return {"median_ms": round(median * 1e3, 3),
-            "busiest_sent": None if name == "dist.all_reduce" else int(sent.item()),
-            "theory_bytes": round(theory),
-            "algbw_mbs": round(size * FLOAT_BYTES / median / 1e6, 1),
-            "repeats": args.repeats}
-
-
-def human(nbytes: float) -> str:
-    """Decimal units (1 MB = 10^6 bytes), so 1,000,000 floats are exactly 4.00 MB."""
-    return f"{nbytes / 1e3:.1f} KB" if nbytes < 1e6 else f"{nbytes / 1e6:.2f} MB"
-
-
-def rate(mbs: float) -> str:
-    return f"{mbs:,.0f}" if mbs >= 100 else f"{mbs:.1f}"
-
-
-def who(value: float, n: int) -> str:
-    """1101.0 on 4 ranks -> '0·23': which ranks' numbers (10^r) are summed in this value."""
-    digits = f"{int(round(value)):0{n}d}"[::-1]  # digit r (from the right) belongs to rank r
-    return "".join(str(r) if d == "1" else "·" if d == "0" else "!" for r, d in enumerate(digits))
-
-
-def draw_ring(ui: UI, everyone: list) -> None:
-    """Print the frames of all ranks side by side: one line per step, chunks as rank sets."""
-    n = len(everyone)
-    width = n * n + (n - 1) + 2
-    ui.print(f"{n} ranks, {n} chunks of one element; rank r starts with 10^r, so a chunk "
-             f"shown as 01·3 holds the sum of ranks 0, 1 and 3")
-    ui.print(" " * 7 + "".join(f"{'rank ' + str(r):<{width}}" for r in range(n)))
-    for i in range(len(everyone[0])):
-        phase, step, _, _, _ = everyone[0][i]
-        if phase != "start":
-            moves = "   ".join(f"{r}->{(r + 1) % n}: chunk {everyone[r][i][2]}" for r in range(n))
-            verb = "adds" if phase == "reduce-scatter" else "overwrites"
-            ui.print(f"[dim]{phase} {step + 1}/{n - 1}:  {moves}  (receiver {verb})[/dim]")
-        label = {"start": "start", "reduce-scatter": f"RS {step + 1}",
-                 "all-gather": f"AG {step + 1}"}[phase]
-        cells = [" ".join(who(v, n) for v in everyone[r][i][4]) for r in range(n)]
-        ui.print(f"{label:<7}" + "".join(f"{cell:<{width}}" for cell in cells))
-    ui.print(f"after reduce-scatter rank r holds the finished chunk r+1; after all-gather every "
-             f"rank holds {who(sum(10.0 ** r for r in range(n)), n)} in every chunk: the sum")
 
 
 if __name__ == "__main__":
