@@ -136,13 +136,13 @@ PLACES = {"no_sync_forward_only": ("forward", "forward only"),
 
 
 def compare(ui, args, data, device, loader, sampler, reference, no_sync: dict,
-            w_no_sync: dict) -> tuple[dict, dict]:
+            no_sync_model) -> tuple[dict, dict]:
     """Lesson 08's Step 7: the naive loop, the three places for no_sync, the two mistakes,
     each on a fresh model; prints the tables and returns (naive, variants) for metrics.json."""
     rank = dist.get_rank()
     naive, w_naive, log = measure(args, data, device, loader, sampler, reference,
                                   no_sync_around="none")
-    naive["max_abs_diff_vs_no_sync"] = max_abs_diff(w_naive, w_no_sync)
+    naive["max_abs_diff_vs_no_sync"] = max_abs_diff(w_naive, weights(no_sync_model))
     first, later = syncs(log)[0], syncs(log)[-1]
     ui.print(f"buckets: the first sync: {len(first)} all-reduce call(s) of {first} gradients; "
              f"every later one: {len(later)} call(s) of {later}")

@@ -2,12 +2,10 @@
 
 Parent: lesson 05 (lessons/05_ddp_spawn.py)
 
-New since lesson 05: every rank cuts its share of the global batch into `--accum-steps`
-micro-batches and adds up their gradients before one optimizer step (the way to train a
-big batch that does not fit in memory at once). Plain DDP all-reduces the gradients after
-*every* micro-batch's backward; inside `with ddp_model.no_sync():` it does not, so they
-travel once per optimizer step. Every all-reduce is counted, and Step 7 compares the naive
-loop and the classic mistakes (run by apparatus/accumulation.py) with the right one.
+New since lesson 05: each rank adds up the gradients of `--accum-steps` micro-batches
+before one optimizer step (a big batch that does not fit in memory at once). Inside
+`with ddp_model.no_sync():` DDP does not all-reduce, so gradients travel once per step, not
+once per micro-batch. Step 7 compares the naive loop and two classic mistakes with it.
 
 Run:
     make lesson-08                                   # 2 ranks x 4 micro-batches of 12
@@ -159,8 +157,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     # GPUs only (one device per process); on the CPU it stays None.
     # find_unused_parameters=False (the default) is right here: every parameter gets a
     # gradient every step. True would make DDP walk the autograd graph after each forward.
-    # New: counted_ddp (apparatus/comm.py) is DDP with a communication hook that does what
-    # DDP does anyway, through dist.all_reduce, where a CommLog counts every call.
+    # New: counted_ddp (apparatus/comm.py): DDP plus a comm hook that counts its all-reduces.
     ui.step(4, "Wrap the model with DDP, its all-reduces counted")
     model = recipe.make_model(args.seed, data.in_features, data.classes).to(device)
     ddp_model = counted_ddp(model, **accumulation.bucket_kwargs(args))
@@ -240,17 +237,17 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     # no_sync; no_sync around the forward only, or the backward only (DDP decides at
     # *forward* time whether backward syncs); no `/ accum`; a step after every micro-batch.
     ui.step(7, "Compare with naive accumulation and two mistakes")
-    weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
     reference = recipe.train_reference(args.seed, args.epochs, data) if rank == 0 else None
     no_sync = accumulation.result(log, model, steps, reference, data, device)
     naive, variants = accumulation.compare(ui, args, data, device, loader, sampler, reference,
-                                           no_sync, weights)
+                                           no_sync, model)
 
     # Step 8: Save on rank 0, then wait at a barrier
     # All ranks hold the same weights, so one file is enough: rank 0 writes it. Every rank
     # writing the same path would race; and a rank that reads the file must wait until it
     # is complete, which is what the barrier is for.
     ui.step(8, "Save on rank 0, then wait at a barrier")
+    weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
     if rank == 0:
         diff = max_abs_diff(weights, reference)
         accuracy = recipe.accuracy(ddp_model.module, data.test, device)

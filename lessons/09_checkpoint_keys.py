@@ -2,13 +2,11 @@
 
 Parent: lesson 05 (lessons/05_ddp_spawn.py)
 
-New since lesson 05: saving and loading. Lesson 05 saved `ddp_model.module.state_dict()`
-without saying why. Here rank 0 saves the DDP model itself, watches a plain model refuse
-the file (`module.fc1.weight` is not `fc1.weight`), and fixes it three ways (and sees why
-`k.replace("module.", "")` is a bug). Then every wrapper's prefix and one loader for all of
-them (`common/checkpoint.py`'s load_into), `map_location` and `weights_only=True`, shown by
-apparatus/checkpoint_keys.py; last, lesson 05's rule made visible: rank 0 writes, a
-barrier, then every rank loads.
+New since lesson 05: saving and loading. Rank 0 saves the DDP model itself, a plain model
+refuses the file (`module.fc1.weight` is not `fc1.weight`), three fixes (and why
+`k.replace("module.", "")` is a bug), every wrapper's prefix and one loader for all of them
+(load_into), map_location and weights_only=True (apparatus/checkpoint_keys.py shows these);
+last, lesson 05's rule made visible: rank 0 writes, a barrier, every rank loads.
 
 Run:
     make lesson-09
@@ -232,10 +230,9 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
         shown_keys.strict_false(ui, plain, ddp_path, data, device)
 
     # Step 8: Three fixes: save the module, consume the prefix, strip it by hand
-    # Fix 1, at save time (what lesson 05 does): save the model inside the wrapper. Fix 2,
-    # for a file that has the prefix: consume_prefix_in_state_dict_if_present strips it *in
-    # place* and returns None. Fix 3, by hand: k.removeprefix("module."), never
-    # k.replace("module.", ""), which breaks a model whose own child is called `module`.
+    # Fix 1, at save time (as lesson 05 does): save the model inside the wrapper. Fix 2:
+    # consume_prefix_in_state_dict_if_present strips it *in place* (it returns None). Fix 3:
+    # k.removeprefix("module."), not k.replace, which breaks a child called `module`.
     ui.step(8, "Three fixes: save the module, consume the prefix, strip it by hand")
     if rank == 0:
         torch.save(ddp_model.module.state_dict(), module_path)  # fix 1
@@ -252,11 +249,10 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     # strips wrapper prefixes (at the start of a key, while every key has one) and loads
     # strictly; apparatus/checkpoint_keys.py tries every pair, weight by weight.
     ui.step(9, "Wrappers in wrappers, and one loader for all: load_into")
-    weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
     if rank == 0:
         make = shown_keys.maker(args.seed, data, device)  # make(k): a fresh model, seed + k
         first_keys = shown_keys.wrapper_prefixes(ui, make, device, solo)
-        matrix, worst, mistakes = shown_keys.load_into_matrix(ui, make, weights, device, solo, {
+        matrix, worst, mistakes = shown_keys.load_into_matrix(ui, make, plain_state_dict(model), device, solo, {
             "a TinyNet checkpoint": (plain, stripped), "the k.replace keys": (shown_keys.TinyNet(), replaced)})
 
     # Step 10: Across devices: map_location and weights_only=True
@@ -273,6 +269,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     # until it is complete, which is what the barrier is for. Each rank starts from its own
     # random weights here, so the weight sums show that every load really happened.
     ui.step(11, "Every rank loads rank 0's file after a barrier")
+    weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
     fresh = recipe.make_model(args.seed + 100 + rank, data.in_features, data.classes).to(device)
     before = shown_keys.checksum(fresh)
     dist.barrier()  # nobody reads ddp_model.pt before rank 0 has finished writing it
