@@ -174,13 +174,16 @@ def _render(results: dict, images: dict, note: str | None) -> str:
               "faster, and what it costs, as *measured* by `make bench` on the machine "
               "described below: DDP's throughput on 1, 2, ... ranks, what its gradient "
               "buckets do, lesson 10's hand-written all-reduces against `dist.all_reduce`, "
-              "and what `no_sync()` saves in gradient accumulation. Every number below is "
+              "what `no_sync()` saves in gradient accumulation, and, on Part 2's transformer, "
+              "FSDP2 against DDP, the collectives of tensor parallel and the pipeline "
+              "schedules. Every number below is "
               "written by the script from `runs/bench/results.json`, and so is every "
               "sentence that interprets one: none is typed by hand.",
               "人们学习分布式训练是为了更快。本页展示快了多少、代价是什么，全部由 `make bench` 在下面"
               "描述的机器上*实测*：DDP 在 1、2、…… 个秩上的吞吐量，梯度桶（bucket）起什么作用，第 10 课"
-              "手写的全局规约（all-reduce）与 `dist.all_reduce` 的对比，以及 `no_sync()` 在梯度累积中"
-              "省下了多少。下面的每个数字都由脚本从 `runs/bench/results.json` 写出，每一句解读数字的话"
+              "手写的全局规约（all-reduce）与 `dist.all_reduce` 的对比，`no_sync()` 在梯度累积中"
+              "省下了多少，以及在 Part 2 的 Transformer 上 FSDP2 与 DDP 的对比、张量并行的集合通信和"
+              "流水线调度。下面的每个数字都由脚本从 `runs/bench/results.json` 写出，每一句解读数字的话"
               "也是如此：没有一处是手工输入的。"), ""]
     warnings = []
     if results["mode"] != "full":
@@ -268,9 +271,11 @@ def _render(results: dict, images: dict, note: str | None) -> str:
               "* 数据是配方的合成数据集，在开始计时之前就按秩切好：这里的任何数字都不包含数据加载。"),
             L("* All CPU ranks start once (`mp.spawn`, gloo); a benchmark on n ranks uses a "
               "subgroup of the first n, while the others sleep at a barrier without using a "
-              "core.",
+              "core. Sections 6-8 start their own 1 and then 2 ranks the same way: the "
+              "lessons' code they reuse talks to the whole world (the default group).",
               "* 所有 CPU 秩只启动一次（`mp.spawn`，gloo）；在 n 个秩上的基准使用前 n 个秩组成的子组，"
-              "其余的秩在屏障处休眠，不占用核心。"),
+              "其余的秩在屏障处休眠，不占用核心。第 6-8 节用同样的方式各自先启动 1 个、再启动 2 个秩："
+              "它们复用的课程代码与整个进程组（默认组）通信。"),
             ""]
 
     if "scaling" in b:

@@ -1,7 +1,7 @@
 """The benchmark suite: measured speedups and costs, not claims.
 
 Run:
-    make bench                               # the full suite, about a minute on 2 cores
+    make bench                               # the full suite, a few minutes on 2 cores
     make bench ARGS="--quick"                # a fast smoke run (what the tests use)
     .venv/bin/python -m bench.run --only scaling --reps 7
     .venv/bin/python -m bench.run --write-doc   # the pages again from runs/bench/results.json
