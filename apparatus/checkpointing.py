@@ -16,9 +16,16 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
+
+# The lesson saves into the same folder each time you run it, on purpose. torch 2.14.1 then
+# warns on every rank that a future default may refuse to overwrite (filesystem.py,
+# FileSystemWriter.prepare_local_plan); the doc says so once, under Common mistakes.
+# Importing this module (the lesson does, in every rank) silences that one warning.
+warnings.filterwarnings("ignore", message="Detected an existing checkpoint in")
 
 
 def files(folder: Path) -> list[tuple[str, int]]:
@@ -108,9 +115,16 @@ def show_files(ui, folder: Path, model, seconds: float) -> list[tuple[str, int]]
     """The files dcp.save wrote and their sizes; what gathering the full state would cost."""
     from common.results import shown
 
+    from torch.distributed.checkpoint import FileSystemReader
+
     listing = files(folder)
+    named = set(needed_bytes(FileSystemReader(folder).read_metadata())) | {".metadata"}
+    listing = [(name, size) for name, size in listing if name in named]
+    stale = sorted(name for name, _ in files(folder) if name not in named)
     ui.table(f"What dcp.save wrote to {shown(Path(folder))} in {seconds:.2f}s", ["file", "bytes"],
              [[name, f"{size:,}"] for name, size in listing])
+    if stale:  # an earlier save at a larger world size left these; .metadata no longer names them
+        ui.print(f"also in the folder, from an earlier save and not part of this checkpoint: {', '.join(stale)}")
     n = sum(p.numel() for p in model.parameters())
     full = full_state_bytes(n)
     shards = [size for name, size in listing if name.endswith(".distcp")]
