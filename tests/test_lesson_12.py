@@ -2,12 +2,13 @@
 import json
 import re
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import one_error_line, run_lesson
+from conftest import ROOT, one_error_line, run, run_lesson
 
 pytestmark = pytest.mark.timeout(900)  # the module fixture below runs 14 jobs in one setup
 BOUND_S = 60  # the promise: no broken mode takes longer, start-up included, on 2 cores
@@ -202,7 +203,24 @@ def test_three_ranks_split_without_padding(broken):
     (["--device", "cuda"], "--device cpu"),
     (["--debug-detail"], "TORCH_DISTRIBUTED_DEBUG=DETAIL"),
     (["--break", "no-such-pitfall"], "--break"),
+    (["--only", "saving", "--break", "set-epoch"], "--only saving"),
 ])
 def test_bad_flags_are_one_clear_line(flags, expect):
     line = one_error_line(run_lesson("12", *flags, check=False, timeout=60))
     assert line.startswith("error:") and expect in line, line
+
+
+def test_a_pitfall_file_runs_on_its_own(tmp_path):
+    """lessons/12_pitfalls/NAME.py: the lesson's Steps 1, 2 and 10, and that file's step only."""
+    folder = ROOT / "lessons" / "12_pitfalls"
+    for path in folder.glob("*.py"):  # every file but the helpers names its step and modes
+        if path.stem not in ("kit", "start"):
+            text = path.read_text()
+            assert re.search(r"^STEP = \d$", text, re.M) and "def run(" in text, path.name
+    proc = run([sys.executable, str(folder / "set_epoch.py"), "--break", "set-epoch", "--out",
+                str(tmp_path)], timeout=2 * BOUND_S)
+    steps = [int(n) for n in re.findall(r"^Step (\d+):", proc.stdout, re.M)]
+    assert steps == [1, 2, 3, 10], proc.stdout
+    m = metrics(tmp_path)
+    assert m["set_epoch"]["same_every_epoch"] is True and "eval" not in m
+    assert "What went wrong (--break set-epoch;" in proc.stdout
