@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, positive_float, run
-from common.distributed import choose_port, spawn, teardown
+from common.distributed import choose_port, env_store, spawn, teardown
 from common.results import make_metrics, max_abs_diff, out_dir, save_results, shown
 from common.ui import UI
 
@@ -156,8 +156,9 @@ def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
         # before the slowest has arrived. DDP does the same inside backward(); we write it
         # out to time the waiting.
         ui.step(2, "Train synchronously")
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=n,
-                                timeout=datetime.timedelta(seconds=args.timeout))
+        # env_store: the store env:// would make, but on 127.0.0.1 only (lesson 05)
+        dist.init_process_group("gloo", store=env_store(rank, n, args.timeout), rank=rank,
+                                world_size=n, timeout=datetime.timedelta(seconds=args.timeout))
         model = train_sync(rank, n, args, data, ui, shared["sync"])
         spread = replica_spread(model)  # are the N copies still identical?
         if rank == 0:
