@@ -40,6 +40,23 @@ def needed_bytes(metadata) -> dict[str, int]:
     return need
 
 
+def damaged_items(folder: Path, metadata) -> str | None:
+    """The first file holding a damaged piece, or None. Each piece DCP 2.14.1 writes in its
+    default format (SerializationFormat.TORCH_SAVE, as the lesson does) is a small torch.save zip archive (filesystem.py, _write_item): it starts with the zip signature
+    "PK" 03 04 and ends with the 22-byte end-of-archive record, "PK" 05 06. Reading those bytes
+    catches a damaged header or end without reading the tensors; DCP keeps no checksums, so
+    bytes changed inside a tensor's data are not caught here."""
+    for info in metadata.storage_data.values():
+        with open(Path(folder) / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            head = f.read(4)
+            f.seek(info.offset + info.length - 22)
+            tail = f.read(4)
+        if head != b"PK\x03\x04" or tail != b"PK\x05\x06":
+            return info.relative_path
+    return None
+
+
 def problem(folder: Path, model: torch.nn.Module) -> str | None:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -62,6 +79,10 @@ def problem(folder: Path, model: torch.nn.Module) -> str | None:
         if os.path.getsize(path) < size:
             return (f"{where}: the shard {name} is {os.path.getsize(path):,} bytes, shorter than "
                     f"the {size:,} its .metadata needs (truncated: an interrupted copy?); save it again")
+    bad = damaged_items(folder, metadata)
+    if bad:
+        return (f"{where}: the shard {bad} is damaged (a piece .metadata points to is not where "
+                f"it says, or was overwritten); save the checkpoint again")
     saved = {k[len("model."):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
              if k.startswith("model.") and hasattr(m, "size")}
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -3,7 +3,7 @@
 One run on 2 ranks stops after step 3 of 6 and leaves a DCP checkpoint; one run on 3 ranks
 resumes from it (DCP reshards 2 -> 3) and must end with the uninterrupted run's weights
 (lesson 13's reference, within 1e-3) and print its losses beside the reference's. The bad
-checkpoints (a missing shard, a truncated one, another model's) are caught in the launcher
+checkpoints (a missing shard, a truncated or overwritten one, another model's) are caught in the launcher
 before any rank starts, so they are checked in-process: one line, exit 2, nothing changed.
 """
 import hashlib
@@ -83,7 +83,7 @@ def _digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "other model"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "overwritten", "other model"])
 def test_bad_checkpoint_is_one_line_and_left_as_it_was(runs, tmp_path, monkeypatch, capsys, damage):
     folder = tmp_path / "ckpt"
     if damage == "other model":
@@ -97,13 +97,15 @@ def test_bad_checkpoint_is_one_line_and_left_as_it_was(runs, tmp_path, monkeypat
         shard = folder / "__1_0.distcp"
         if damage == "missing":
             shard.unlink()
-        else:
+        elif damage == "truncated":
             shard.write_bytes(runs["saved"]["__1_0.distcp"][:1000])
+        else:  # the same length, its first bytes overwritten
+            shard.write_bytes(b"x" * 64 + runs["saved"]["__1_0.distcp"][64:])
     before = _digest(folder)
     lesson = import_lesson("16")
     line = parse_error(lesson, ["--steps", str(STEPS), "--resume", str(folder)], monkeypatch, capsys)
     expected = {"missing": "__1_0.distcp is missing", "truncated": "__1_0.distcp is 1,000 bytes",
-                "other model": "a checkpoint of another model"}[damage]
+                "overwritten": "__1_0.distcp is damaged", "other model": "a checkpoint of another model"}[damage]
     assert expected in line, line
     assert _digest(folder) == before
 
