@@ -325,7 +325,8 @@ def main() -> None:
 
     if set(plan["benchmarks"]) & {"fsdp", "tp", "pipeline"}:
         from bench import part2
-        ui.print("starting 1, then 2 CPU ranks (gloo) for Part 2's transformer")
+        first = "1, then 2 CPU ranks" if "fsdp" in plan["benchmarks"] else "2 CPU ranks"
+        ui.print(f"starting {first} (gloo) for Part 2's transformer")
         bench.update(part2.run(plan, spawn_ranks, ui))
 
     if "gpu" in plan["benchmarks"]:
