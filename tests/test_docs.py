@@ -52,3 +52,16 @@ def test_every_glossary_term_is_linked_from_the_lesson_that_introduces_it():
         doc = ROOT / "docs" / target
         assert doc.name.startswith(lesson) and doc.exists(), target
         assert f"GLOSSARY.md#{anchor}" in doc.read_text(), f"{doc.name} does not link the term #{anchor}"
+
+
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs" / "zh").glob("*.md"))
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
+
+
+@pytest.mark.parametrize("doc", DOC_PAGES, ids=lambda p: str(p.relative_to(ROOT / "docs")))
+def test_relative_links_reach_a_file(doc):
+    """A link to a repo file from docs/zh/ needs one more ../ than from docs/: checked here."""
+    broken = [target for target in LINK.findall(doc.read_text())
+              if "://" not in target and not target.startswith("mailto:")
+              and not (doc.parent / target).exists()]
+    assert not broken, f"{doc.relative_to(ROOT)} links to missing files: {broken}"
