@@ -182,6 +182,7 @@ def show_resumed(ui, state: dict, optimizer) -> int:
 
     step = int(state["step"])
     counter = next(iter(optimizer.state.values()))["step"]
-    ui.print(f"resumed after step {step} on {dist.get_world_size()} ranks; AdamW's step counter "
+    world = dist.get_world_size()
+    ui.print(f"resumed after step {step} on {world} rank{'s' if world > 1 else ''}; AdamW's step counter "
              f"(restored from the checkpoint): {int(counter)}")
     return step
