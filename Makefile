@@ -16,8 +16,8 @@ LESSON_NUMS := $(foreach f,$(LESSON_FILES),$(shell basename $(f) | cut -c1-2))
 STEP_FLAG := $(if $(filter-out 0,$(STEP)),--step)
 
 # Lessons that need a launcher run through it; the rest run under plain python.
-RUN_06 := -m common.nodes --nnodes 2 --nproc-per-node 2 --
-RUN_07 := -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
+RUN_06 := tools/nodes.py --nnodes 2 --nproc-per-node 2 --
+RUN_07 := tools/nodes.py --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
 
 # check-% and lesson-% are pattern rules
 .PHONY: checks help venv lessons test clean distclean docs-output diff bench bench-docs read

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from apparatus.comm import CommLog, counted_ddp
 from common import recipe
 from common.cli import fail
-from common.results import max_abs_diff
+from apparatus.results import max_abs_diff
 
 
 def check_accum_steps(accum: int, world_size: int) -> None:

@@ -25,8 +25,8 @@ from rich.markup import escape  # error texts hold [brackets] that rich would re
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import recipe
-from common.checkpoint import CheckpointError, load_into, unwrap
-from common.results import max_abs_diff, plain_state_dict, shown
+from apparatus.state_dicts import CheckpointError, load_into, unwrap
+from apparatus.results import max_abs_diff, plain_state_dict, shown
 
 
 class Residual(nn.Module):

@@ -134,7 +134,7 @@ def saved_step(folder: Path) -> int:
 
 def show_files(ui, folder: Path, model, seconds: float) -> list[tuple[str, int]]:
     """The files dcp.save wrote and their sizes; what gathering the full state would cost."""
-    from common.results import shown
+    from apparatus.results import shown
 
     from torch.distributed.checkpoint import FileSystemReader
 

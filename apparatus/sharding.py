@@ -281,7 +281,7 @@ def compare_with_lesson_13(ui, state: dict, seed: int, steps: int, world: int) -
     """max |w - w_13| of a run on `world` ranks, and the floor: one process summing each
     batch in `world` chunks, as the ranks do (common/transformer.py's train_reference)."""
     from common import transformer as T
-    from common.results import max_abs_diff
+    from apparatus.results import max_abs_diff
 
     reference = T.train_reference(seed, steps)["state"]
     diff = max_abs_diff(state, reference)

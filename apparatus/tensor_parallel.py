@@ -140,7 +140,7 @@ def split_param_bytes(model) -> tuple[int, int]:
 
 def compare_with_13(state, seed: int, steps: int, world: int, ui) -> tuple[float, float]:
     """max |w - w_13| and the floor (lesson 13 summing its batch in `world` chunks), printed."""
-    from common.results import max_abs_diff
+    from apparatus.results import max_abs_diff
     reference, chunked = (T.train_reference(seed, steps, chunks=c)["state"] for c in (1, world))
     diff, floor = max_abs_diff(state, reference), max_abs_diff(chunked, reference)
     ui.print(f"max |w - w_13| = [bold]{diff:.1e}[/bold] (floor {floor:.1e})")

@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from common.results import shown
+from apparatus.results import shown
 
 # Events on the training thread that are computation: forward, every autograd node, the
 # optimizer. The enqueue of a collective (c10d::allreduce_) is nested inside autograd

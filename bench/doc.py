@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from bench import report
-from common.results import atomic_write
+from apparatus.results import atomic_write
 
 PLOTS = ["scaling.png", "bucketing.png", "allreduce_time.png", "allreduce_bytes.png",
          "no_sync.png", "gpu_scaling.png"]

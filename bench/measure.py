@@ -30,8 +30,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common import recipe
 from common.cli import ROOT
 from common.distributed import env_store
-from common.results import atomic_write
-from common.ui import UI
+from apparatus.results import atomic_write
+from apparatus.ui import UI
 
 FLOAT_BYTES = 4
 MIB = 1024 * 1024

@@ -35,7 +35,7 @@ from bench.measure import Ctx, summary
 from common import transformer as T
 from common.cli import ROOT
 from common.distributed import env_store
-from common.results import atomic_write
+from apparatus.results import atomic_write
 
 BENCHMARKS = ["fsdp", "tp", "pipeline"]
 STRATEGIES = ["ddp", "fsdp-zero3", "fsdp-zero2"]

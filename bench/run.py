@@ -33,8 +33,8 @@ import torch
 
 from common.cli import ROOT, LessonParser, fail, positive_float, positive_int, run
 from common.distributed import free_port, spawn
-from common.results import atomic_write, shown
-from common.ui import UI
+from apparatus.results import atomic_write, shown
+from apparatus.ui import UI
 
 BENCHMARKS = ["scaling", "bucketing", "allreduce", "no_sync", "gpu", "fsdp", "tp", "pipeline"]
 REQUIRED_SPEEDUP_2 = 1.6  # issue 8: 2 ranks >= 1.6x one rank on the 2-core CPU machine

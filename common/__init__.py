@@ -1,15 +1,26 @@
-"""The small shared package behind the lessons. Read it in one sitting:
+"""The shared code behind the lessons, small enough to read in one sitting:
 
     cli.py          flags every lesson shares, one-line errors instead of tracebacks
     device.py       --device auto|cpu|cuda and the matching backend (nccl / gloo)
-    distributed.py  free ports, process-group set-up with a timeout, clean teardown
-    ui.py           rank-aware output with rich: steps, log lines, progress bars
-    recipe.py       the shared training recipe: data, model, optimizer, sample order
-    results.py      final.pt and metrics.json, written atomically, and comparisons
-    checkpoint.py   load_into: load a state_dict saved from any wrapper into any wrapper
-    datasets.py     MNIST and CIFAR-10 from torchvision's file layout (--dataset)
-    nodes.py        simulate several machines: one torchrun agent per "node"
+    distributed.py  the rendezvous store on loopback, process groups with a timeout,
+                    starting N ranks (spawn) and a clean teardown
+    recipe.py       Part 1's recipe (lesson 01): data, model, optimizer, sample order
+    transformer.py  Part 2's recipe (lesson 13): a small transformer and its data
 
-Each helper here first appears *inline* in a lesson that teaches it; later lessons
-call the helper so that they can focus on their own new idea.
+Each helper first appears *inline* in the lesson that teaches it; later lessons call it so
+they can focus on their own idea. What only measures or guards a lesson (output and step
+mode, metrics files, state_dict loading, real data files, process supervision) lives in
+apparatus/; the launcher that simulates several machines is tools/nodes.py.
 """
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print one line to stderr and exit: for mistakes the learner can fix."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)

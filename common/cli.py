@@ -10,14 +10,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Print one line to stderr and exit: for mistakes the learner can fix."""
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
-    raise SystemExit(code)
+from common import ROOT, fail  # noqa: F401 (lessons import fail from here)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -36,52 +29,37 @@ class LessonParser(argparse.ArgumentParser):
         fail(f"{message} (run with --help to see every flag)")
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, kind, ok, expected: str):
+    """argparse's type= check: the flag's value as `kind`, or one line naming what was expected."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of 1 or more, got {text!r}")
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "a whole number of 1 or more")
 
 
 def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of 0 or more, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of 0 or more, got {text!r}")
-    return value
+    return _number(text, int, lambda v: v >= 0, "a whole number of 0 or more")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
-    if not 0 < value < 1e9:  # inf and nan too: a timeout must end (timedelta overflows)
-        raise argparse.ArgumentTypeError(f"expected a number above 0 (and below 1e9), got {text!r}")
-    return value
+    # inf and nan fail too: a timeout must end (timedelta overflows)
+    return _number(text, float, lambda v: 0 < v < 1e9, "a number above 0 (and below 1e9)")
 
 
 def seed_number(text: str) -> int:
     """A seed torch.manual_seed and the per-rank seeds derived from it accept."""
-    value = nonnegative_int(text)
-    if value >= 2**31:
-        raise argparse.ArgumentTypeError(f"expected a seed between 0 and {2**31 - 1}, got {text!r}")
-    return value
+    return _number(text, int, lambda v: 0 <= v < 2**31, f"a seed between 0 and {2**31 - 1}")
 
 
 def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number between 1024 and 65535, got {text!r}")
-    if not 1024 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number between 1024 and 65535, got {text!r}")
-    return value
+    return _number(text, int, lambda v: 1024 <= v <= 65535, "a port number between 1024 and 65535")
 
 
 def lesson_parser(doc: str | None, *, recipe: bool = True, distributed: bool = False,

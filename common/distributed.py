@@ -1,37 +1,27 @@
 """Process-group plumbing that lessons 05 and 06 first write out by hand.
 
-* `host_store` / `env_store`: the rendezvous *store* (a small key-value server the ranks
-  meet in) listening on one address only. A TCPStore master listens on every interface
-  whatever host you give it (torch 2.14.1), so we bind the socket ourselves (127.0.0.1 for
-  a single machine) and hand it over with `master_listen_fd`. Holding the bound port from
-  start to end also means a second job on the same port fails at once instead of mixing in.
-* `init_from_env`: `dist.init_process_group` with an explicit timeout, reading RANK and
-  WORLD_SIZE the way torchrun sets them (and a world of one under plain `python`).
-* `supervise` / `die_with_parent`: whatever stops a parent (Ctrl-C, SIGTERM, SIGHUP, or a
-  SIGKILL that nobody can catch) stops every rank under it, before anything else is said.
+* `host_store` / `env_store`: the rendezvous store, listening on one address only (a
+  TCPStore master listens on every interface whatever host you give it, torch 2.14.1, so we
+  bind the socket ourselves and hand it over with `master_listen_fd`).
+* `init_from_env`: `dist.init_process_group` with a timeout, from torchrun's RANK/WORLD_SIZE.
+* `spawn`: mp.spawn under supervise(), the failing rank's error as one short line.
 * `teardown`: gc.collect() before destroy_process_group(); see its docstring.
-* `spawn`: mp.spawn with the failing rank's error turned into a short message.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import errno
 import gc
 import os
-import signal
 import socket
-import sys
-import time
-import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.cli import fail
+from common import fail
+from apparatus.processes import die_with_parent, supervise  # noqa: F401 (lessons import them from here)
 
 LOOPBACK = "127.0.0.1"
-PARENT_ENV = "LESSON_PARENT_PID"  # set by supervise(): the pid a spawned rank must outlive
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -199,110 +189,6 @@ def world_rows(local_rank: int, device, backend: str) -> list[list]:
 WORLD_COLUMNS = ["rank", "local rank", "host", "pid", "device", "backend"]
 
 
-# --- nobody outlives the job -----------------------------------------------------------
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """Linux: the kernel sends `sig` to this process when its parent dies. Nothing elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def die_with_parent() -> None:
-    """Call first thing in a rank: if its parent (mp.spawn's parent, torchrun's agent) is
-    killed, even with SIGKILL, the kernel kills this rank too, so it never trains on alone
-    and writes files after its job has been stopped."""
-    set_parent_death_signal(signal.SIGKILL)
-    expected = os.environ.get(PARENT_ENV)
-    # the parent may have died before prctl took effect: then we are an orphan already
-    if os.getppid() == 1 or (expected and expected.isdigit() and mp.parent_process() is not None
-                             and os.getppid() != int(expected)):
-        os._exit(1)
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, turned into an exception like Ctrl-C's, so cleanup runs."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_stopped(signum, frame):
-    raise Stopped(signum)
-
-
-@contextlib.contextmanager
-def stop_signals():
-    """Inside: SIGTERM and SIGHUP raise Stopped (a KeyboardInterrupt), as Ctrl-C does."""
-    old = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            old[sig] = signal.signal(sig, _raise_stopped)
-        except (ValueError, OSError):  # not the main thread, or no such signal here
-            pass
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-def signal_name(exc: KeyboardInterrupt) -> tuple[str, int]:
-    """('Ctrl-C', 130) or ('SIGTERM', 143) ...: what stopped us, and the exit code for it."""
-    if isinstance(exc, Stopped):
-        return signal.Signals(exc.signum).name, 128 + exc.signum
-    return "Ctrl-C", 130
-
-
-def stop_processes(procs, grace: float = 3.0) -> None:
-    """SIGTERM each process, wait up to `grace` seconds in all, then SIGKILL the rest."""
-    procs = [p for p in procs if p.is_alive()]
-    for p in procs:
-        with contextlib.suppress(Exception):
-            p.terminate()
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            with contextlib.suppress(Exception):
-                p.kill()
-            p.join(timeout=5)
-
-
-@contextlib.contextmanager
-def supervise():
-    """Around mp.spawn: Ctrl-C, SIGTERM and SIGHUP stop every rank *first*, then print one
-    line and exit (130, 143, 129). With die_with_parent() in each rank, a parent killed
-    with SIGKILL takes its ranks along too."""
-    os.environ[PARENT_ENV] = str(os.getpid())
-    with stop_signals():
-        try:
-            yield
-        except KeyboardInterrupt as exc:
-            stop_processes(mp.active_children())
-            restore_terminal(end_line=True)
-            name, code = signal_name(exc)
-            fail(f"interrupted ({name}): every rank was stopped; nothing was saved for this run",
-                 code=code)
-
-
-def restore_terminal(end_line: bool = False) -> None:
-    """Show the cursor again: a rank killed while rich drew its progress bar leaves it hidden
-    (and, with end_line, the bar's line unfinished: start the next message on a new line)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            if stream.isatty():
-                stream.write("\x1b[?25h" + ("\n" if end_line else ""))
-                stream.flush()
-                return
-
-
 def _guarded(i: int, fn, *args) -> None:
     die_with_parent()
     fn(i, *args)
@@ -329,10 +215,6 @@ def spawn(fn, args: tuple, nprocs: int) -> None:
                  f"the other ranks were stopped", code=exc.exit_code)
         fail(f"rank {exc.error_index} died ({exc.signal_name or 'exit code ' + str(exc.exit_code)}); "
              f"the other ranks were stopped", code=1)
-
-
-def short_error(exc: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
 def say_each(ui, message: str) -> None:

@@ -19,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Sampler, TensorDataset
 
+from common import fail
+
 SEED = 0              # initial weights and sample order
 EPOCHS = 3            # passes over the training set
 GLOBAL_BATCH = 96     # samples per optimizer step, summed over all ranks
@@ -91,13 +93,12 @@ def load_data(dataset: str = "synthetic", data_dir: Path | None = None,
     if dataset == "synthetic":
         train, test = synthetic_data()
         return Data(train, test, FEATURES, CLASSES, "synthetic")
-    from common import datasets  # imports torchvision: only lessons that need it pay for it
+    from apparatus import datasets  # imports torchvision: only lessons that need it pay for it
 
     train, test = datasets.load_image_dataset(dataset, Path(data_dir), download)
     # Drop the tail so the training set is a multiple of the global batch: no rank pads.
     keep = len(train) - len(train) % GLOBAL_BATCH
     if keep == 0:
-        from common.cli import fail
         fail(f"{dataset} in {data_dir} has only {len(train)} training images; the recipe "
              f"needs at least {GLOBAL_BATCH}")
     train = TensorDataset(train.tensors[0][:keep], train.tensors[1][:keep])

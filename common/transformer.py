@@ -1,9 +1,7 @@
 """The Part 2 recipe: a small decoder-only transformer, its data, and its reference.
 
 Lesson 13 trains it on one device; lessons 14-20 train it in parallel and must end with
-lesson 13's weights (within 1e-3, beside the "chunked batch" floor, see train_reference).
-
-API (everything a Part 2 lesson needs):
+lesson 13's weights (within 1e-3, printed beside the floor that float rounding alone sets).
 
     from common import transformer as T
     model = T.make_model(seed)                 # Transformer, same weights for the same seed
@@ -11,40 +9,23 @@ API (everything a Part 2 lesson needs):
     x, y = T.batch(step, seed)                 # (GLOBAL_BATCH, SEQ) int64 tokens and targets
     x, y = T.shard(x, rank, world), T.shard(y, rank, world)   # rank r's contiguous rows
     loss = T.loss_fn(model(x), y)              # mean cross-entropy over every token
-    T.loss_floor()                             # the best loss any model can reach (nats/token)
     T.floor_gap(loss)                          # "+0.0374 from the floor 0.7809 ..." to print
     T.train_reference(seed, steps, chunks=N)   # {"state": final weights, "losses": tensor}
 
-How a Part 2 lesson proves itself: its final weights (a plain state_dict on the CPU) within
-1e-3 of train_reference()["state"] (common.results.max_abs_diff), printed beside the floor
-max_abs_diff(train_reference()["state"], train_reference(chunks=N)["state"]): one process
-that sums each batch in N pieces, as N ranks do. References are computed on the CPU with
-one thread and cached under runs/reference-13/, so only the first caller pays.
-
-Shapes: model(x) maps (B, SEQ) token ids to (B, SEQ, VOCAB) logits. Parameter names are
-Megatron-friendly, so tensor parallelism can split them by name: tok_emb, pos_emb,
-blocks.<i>.{norm1, attn.{q, k, v, proj}, norm2, mlp.{fc, proj}}, norm, head. q, k and v
-are separate Linear layers (a fused qkv split column-wise would give rank 0 all of q and
-part of k); the attention reshapes with `view(B, T, -1, HEAD_DIM)`, so a rank holding
-N_HEADS / tp heads works unchanged. model.blocks is an nn.ModuleList (FSDP2 wraps each
-block; a pipeline stage keeps a slice, `model.blocks = nn.ModuleList(model.blocks[a:b])`,
-which renumbers their state_dict keys from 0); forward skips tok_emb/pos_emb and head when
-a pipeline stage has set them to None. The model has parameters only, no buffers.
-
-The data: token sequences from an order-2 Markov chain over VOCAB tokens whose transition
-table is fixed (TABLE_SEED). Its entropy rate is the best loss any model can reach on
-long sequences; loss_floor() is the exact best *expected* loss for our batches (the first
-target of each row has only one token of context). Every run prints how close it came.
-
-The global batch of a step is a function of (step, seed) only, and has GLOBAL_BATCH = 48
-rows: it divides by 1, 2, 3 and 4, and every rank r of N takes the rows
-[r * 48/N, (r + 1) * 48/N) (shard()). With equal shards the mean of the per-rank mean
-losses is the global mean, so averaging gradients over ranks gives one device's gradient.
+Parameter names let tensor parallelism split by name: tok_emb, pos_emb, blocks.<i>.{norm1,
+attn.{q, k, v, proj}, norm2, mlp.{fc, proj}}, norm, head (q, k, v are separate, so a column
+split gives each rank whole heads). model.blocks is an nn.ModuleList: FSDP2 wraps each block,
+a pipeline stage keeps a slice, and forward skips tok_emb/pos_emb and head when a stage has
+set them to None. The data is an order-2 Markov chain over VOCAB tokens with a fixed table;
+loss_floor() is the best expected loss any model can reach on our batches. A step's batch
+depends on (step, seed) only; its 48 rows divide by 1, 2, 3 and 4, so equal shards make the
+mean of the ranks' mean losses the global mean.
 """
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -258,8 +239,7 @@ def train_reference(seed: int = SEED, steps: int = STEPS, chunks: int = 1) -> di
     Computed on the CPU with one thread, once: cached in runs/reference-13/ (keyed by the
     arguments and this file's source), written atomically, read with weights_only=True.
     """
-    from common.results import atomic_write  # late import: results imports common.cli
-    from common.cli import ROOT
+    from common import ROOT
 
     source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
     path = ROOT / "runs" / "reference-13" / f"seed{seed}-steps{steps}-chunks{chunks}-{source}.pt"
@@ -274,7 +254,10 @@ def train_reference(seed: int = SEED, steps: int = STEPS, chunks: int = 1) -> di
         result = _train(seed, steps, chunks)
     finally:
         torch.set_num_threads(threads)
-    atomic_write(path, lambda f: torch.save(result, f))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(result, tmp)
+    os.replace(tmp, path)  # atomic: a parallel reader sees no file or the whole file
     for old in path.parent.glob("*.pt"):  # references of an older recipe can never be read again
         if not old.name.endswith(f"-{source}.pt"):
             old.unlink(missing_ok=True)
@@ -286,6 +269,3 @@ def floor_gap(loss: float) -> str:
     floor = loss_floor()
     return f"{loss - floor:+.4f} from the floor {floor:.4f} nats/token (entropy rate {entropy_rate():.4f})"
 
-
-if __name__ == "__main__":  # a quick look: .venv/bin/python -m common.transformer
-    print(f"floor {loss_floor():.4f}, entropy rate {entropy_rate():.4f}, ln VOCAB {math.log(VOCAB):.4f}")

@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 from common import recipe
 from common.cli import lesson_parser, run
 from common.device import pick_device
-from common.results import make_metrics, out_dir, plain_state_dict, save_results, shown
-from common.ui import UI, Timer
+from apparatus.results import make_metrics, out_dir, plain_state_dict, save_results, shown
+from apparatus.ui import UI, Timer
 
 
 def main() -> None:

@@ -32,8 +32,8 @@ import torch.nn as nn
 from apparatus.apply_trace import describe, trace_apply
 from common.cli import lesson_parser, run
 from common.device import pick_device
-from common.results import atomic_write, out_dir, shown
-from common.ui import UI
+from apparatus.results import atomic_write, out_dir, shown
+from apparatus.ui import UI
 
 
 class Net(nn.Module):

@@ -8,7 +8,7 @@ nodes, or on real machines; and under plain `python` it is a world of one.
 
 Run:
     make lesson-06     # two torchrun agents on 127.0.0.1, 2 workers each = 4 ranks
-    .venv/bin/python -m common.nodes --nnodes 2 --nproc-per-node 2 -- lessons/06_torchrun_multinode.py
+    .venv/bin/python tools/nodes.py --nnodes 2 --nproc-per-node 2 -- lessons/06_torchrun_multinode.py
     .venv/bin/torchrun --standalone --nproc-per-node 3 lessons/06_torchrun_multinode.py
     .venv/bin/python lessons/06_torchrun_multinode.py        # a world of one
 
@@ -38,8 +38,8 @@ from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import die_with_parent, env_store, free_port
-from common.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
-from common.ui import UI, Timer
+from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
+from apparatus.ui import UI, Timer
 
 
 # @record writes this worker's exception to the file torchrun names in

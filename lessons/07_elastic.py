@@ -14,7 +14,7 @@ one resume. Pass --fail-at-step 0 for a run without a failure.
 
 Run:
     make lesson-07     # 1 node x 2 workers, c10d rendezvous, --max-restarts 3, one failure
-    .venv/bin/python -m common.nodes --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 -- lessons/07_elastic.py
+    .venv/bin/python tools/nodes.py --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 -- lessons/07_elastic.py
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .venv/bin/torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 --max-restarts 3 lessons/07_elastic.py
     .venv/bin/python lessons/07_elastic.py --fail-at-step 0   # a world of one, no agent: nothing restarts it
 
@@ -45,11 +45,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, positive_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
-from common.checkpoint import snapshot_problem
+from apparatus.state_dicts import snapshot_problem
 from common.distributed import die_with_parent, env_store, free_port
-from common.results import (atomic_write, claim_out, make_metrics, max_abs_diff, out_dir,
+from apparatus.results import (atomic_write, claim_out, make_metrics, max_abs_diff, out_dir,
                             plain_state_dict, remove_strays, save_results, shown)
-from common.ui import UI, Timer
+from apparatus.ui import UI, Timer
 
 SNAPSHOT_FORMAT = 1  # bump when the snapshot's contents change: old snapshots are then refused
 
@@ -115,7 +115,7 @@ def main() -> None:
         # measured here: without it, about half of the restarts failed to connect (see the doc)
         ui.print("[yellow]note:[/yellow] torchrun lends its store to every attempt, so a restarted "
                  "group can read the last attempt's addresses (pytorch/pytorch#135712); start "
-                 "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (common.nodes does)")
+                 "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (tools/nodes.py does)")
 
     # Step 2: Join the process group
     # As in lesson 06. Every attempt joins a *new* process group: the old one died with the
@@ -178,7 +178,7 @@ def main() -> None:
         }
 
     def save_snapshot(global_step: int) -> None:
-        # Temporary file + fsync + rename (common.results.atomic_write): a process killed in
+        # Temporary file + fsync + rename (apparatus.results.atomic_write): a process killed in
         # the middle of torch.save leaves a stray temporary file, never a half snapshot.pt.
         state = snapshot(global_step)
         atomic_write(snapshot_path, lambda f: torch.save(state, f))

@@ -36,8 +36,8 @@ from common.cli import fail, lesson_parser, positive_float, positive_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, master_address,
                                 say_each, supervise, world_rows)
-from common.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
-from common.ui import UI, Timer, share_terminal_with_children
+from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
+from apparatus.ui import UI, Timer, share_terminal_with_children
 
 # More ranks than this on one machine teach nothing but waiting; and each rank is a whole
 # Python process with torch loaded: about 0.4 GB of memory (PSS) each, measured here.

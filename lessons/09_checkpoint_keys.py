@@ -34,14 +34,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from apparatus import checkpoint_keys as shown_keys
 from common import recipe
-from common.checkpoint import load_into
+from apparatus.state_dicts import load_into
 from common.cli import fail, lesson_parser, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, master_address,
                                 say_each, supervise, world_rows)
-from common.results import (claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict,
+from apparatus.results import (claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict,
                             save_results, shown)
-from common.ui import UI, Timer, share_terminal_with_children
+from apparatus.ui import UI, Timer, share_terminal_with_children
 
 # More ranks than this on one machine teach nothing but waiting; and each rank is a whole
 # Python process with torch loaded: about 0.4 GB of memory (PSS) each, measured here.
@@ -245,7 +245,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
 
     # Step 9: Wrappers in wrappers, and one loader for all: load_into
     # DataParallel keeps the model in `.module` too, torch.compile in `._orig_mod`, and
-    # wrappers nest. common/checkpoint.py's load_into(model, source) unwraps the target,
+    # wrappers nest. apparatus/state_dicts.py's load_into(model, source) unwraps the target,
     # strips wrapper prefixes (at the start of a key, while every key has one) and loads
     # strictly; apparatus/checkpoint_keys.py tries every pair, weight by weight.
     ui.step(9, "Wrappers in wrappers, and one loader for all: load_into")

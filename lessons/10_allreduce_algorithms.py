@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from common.cli import lesson_parser, nonnegative_int, positive_int, run
 from common.distributed import choose_port, env_store, spawn, teardown
-from common.results import atomic_write, out_dir, shown
-from common.ui import UI
+from apparatus.results import atomic_write, out_dir, shown
+from apparatus.ui import UI
 from apparatus.allreduce import (FLOAT_BYTES, check_args, draw_ring, explain_timeout, show_bytes,
                                  show_checks, show_totals, size_list, timing_table)
 

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, positive_float, run
 from common.distributed import choose_port, env_store, spawn, teardown
-from common.results import make_metrics, max_abs_diff, out_dir, save_results, shown
-from common.ui import UI
+from apparatus.results import make_metrics, max_abs_diff, out_dir, save_results, shown
+from apparatus.ui import UI
 
 MAX_WORLD = 8
 # columns of the per-worker statistics every process writes into shared memory

@@ -64,8 +64,8 @@ import unused_params
 from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, positive_int, run
 from common.distributed import choose_port, spawn, teardown
-from common.results import atomic_write, out_dir, shown
-from common.ui import UI, Timer, share_terminal_with_children
+from apparatus.results import atomic_write, out_dir, shown
+from apparatus.ui import UI, Timer, share_terminal_with_children
 from kit import collective, first_line, leave
 
 # Steps 3-9, each one file in lessons/12_pitfalls/; Steps 1, 2 and 10 are in this file.

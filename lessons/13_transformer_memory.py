@@ -27,8 +27,8 @@ from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_by
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import pick_device
-from common.results import make_metrics, out_dir, plain_state_dict, save_results, shown
-from common.ui import UI, Timer
+from apparatus.results import make_metrics, out_dir, plain_state_dict, save_results, shown
+from apparatus.ui import UI, Timer
 
 
 def parse_args():

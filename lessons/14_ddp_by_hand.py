@@ -33,8 +33,8 @@ from common import transformer as T
 from common.cli import fail, lesson_parser, positive_float, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
-from common.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
-from common.ui import UI, Timer, share_terminal_with_children
+from apparatus.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
+from apparatus.ui import UI, Timer, share_terminal_with_children
 
 
 def parse_args():

@@ -41,12 +41,12 @@ from apparatus.memory import SavedTensors, formula_bytes, mib, seconds
 from apparatus import sharding
 from apparatus import checkpointing
 from common import transformer as T
-from common.checkpoint import load_into
+from apparatus.state_dicts import load_into
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, pick_device, plan_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
-from common.results import make_metrics, max_abs_diff, out_dir, save_results, shown
-from common.ui import UI, Timer
+from apparatus.results import make_metrics, max_abs_diff, out_dir, save_results, shown
+from apparatus.ui import UI, Timer
 
 
 def parse_args():

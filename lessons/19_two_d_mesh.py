@@ -42,8 +42,8 @@ from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, pick_device, plan_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
-from common.results import make_metrics, out_dir, save_results, shown
-from common.ui import UI, Timer
+from apparatus.results import make_metrics, out_dir, save_results, shown
+from apparatus.ui import UI, Timer
 
 
 def parse_args():

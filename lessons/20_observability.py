@@ -39,8 +39,8 @@ from common.cli import fail, lesson_parser, nonnegative_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, master_address,
                                 say_each, supervise, world_rows)
-from common.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
-from common.ui import UI, Timer, share_terminal_with_children
+from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
+from apparatus.ui import UI, Timer, share_terminal_with_children
 
 MAX_WORLD = 16  # more ranks than this on one machine teaches nothing but waiting
 BUCKET_CAP_MB = 0.001  # ~1 KB buckets: our 22 KB MLP gets 3 buckets (DDP's default, 25 MB, gives 1)

@@ -1,4 +1,4 @@
-"""common/checkpoint.py: load_into for every pair of wrappers, and its errors."""
+"""apparatus/state_dicts.py: load_into for every pair of wrappers, and its errors."""
 import gc
 
 import pytest
@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common import recipe
-from common.checkpoint import CheckpointError, load_into, strip_wrapper_prefixes, unwrap
+from apparatus.state_dicts import CheckpointError, load_into, strip_wrapper_prefixes, unwrap
 
 KINDS = ["plain", "DataParallel", "DDP", "compile"]
 NESTED = ["DDP(compile)", "compile(DDP)", "DataParallel(DataParallel)"]

@@ -33,7 +33,7 @@ def test_no_command_needs_an_activated_venv():
 
 def test_the_scan_catches_what_it_should():
     for bad in ("python lessons/05_ddp_spawn.py", "    python -m bench.run --quick",
-                "`python3 tools/check_exercise.py 05`", "run `python -m common.nodes --nnodes 2`"):
+                "`python3 tools/check_exercise.py 05`", "run `python tools/nodes.py --nnodes 2`"):
         assert BARE.search(bad), bad
     for good in (".venv/bin/python lessons/05_ddp_spawn.py", "make lesson-05",
                  "<!-- output: python lessons/01_single_device.py -->", "Python 3.11",

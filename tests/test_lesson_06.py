@@ -5,7 +5,7 @@ import time
 from common import recipe
 from conftest import load_run, max_abs_diff, run, run_lesson
 
-NODES = [sys.executable, "-m", "common.nodes"]
+NODES = [sys.executable, "tools/nodes.py"]
 LESSON = "lessons/06_torchrun_multinode.py"
 
 

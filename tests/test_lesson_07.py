@@ -15,7 +15,7 @@ from common import recipe
 from conftest import ROOT, load_run, max_abs_diff, one_error_line, run, run_lesson
 
 LESSON = "lessons/07_elastic.py"
-ELASTIC = [sys.executable, "-m", "common.nodes", "--elastic", "--nnodes", "1",
+ELASTIC = [sys.executable, "tools/nodes.py", "--elastic", "--nnodes", "1",
            "--nproc-per-node", "2"]
 STEPS_PER_EPOCH = recipe.N_TRAIN // recipe.GLOBAL_BATCH
 
@@ -137,7 +137,7 @@ def test_a_killed_save_leaves_the_snapshot_intact_and_a_new_job_resumes_it(
     crash = (
         "import os, signal, sys\n"
         "sys.path.insert(0, '.')\n"
-        "from common.results import atomic_write\n"
+        "from apparatus.results import atomic_write\n"
         "def half_then_die(f):\n"
         "    f.write(b'PK' + bytes(5000))\n"
         "    f.flush()\n"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common import transformer as T
-from common.checkpoint import load_into
+from apparatus.state_dicts import load_into
 from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson
 
 STEPS = 6

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from common import recipe
-from common.results import atomic_write
+from apparatus.results import atomic_write
 from conftest import ROOT
 
 

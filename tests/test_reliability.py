@@ -25,7 +25,7 @@ import torch
 from conftest import ROOT, one_error_line, run
 
 PY = sys.executable
-NODES = [PY, "-m", "common.nodes"]
+NODES = [PY, "tools/nodes.py"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "OMP_NUM_THREADS": "1"}
 
 
@@ -238,7 +238,7 @@ def test_lesson_05_parent_killed_with_sigkill_takes_its_ranks(tmp_path, cleanup)
     assert not (tmp_path / "o" / "final.pt").exists()
 
 
-# --- lessons 06 and 07: common.nodes and torchrun -----------------------------------------------
+# --- lessons 06 and 07: tools/nodes.py and torchrun -----------------------------------------------
 
 def test_lesson_06_sighup_to_the_launcher_stops_every_agent_and_worker(tmp_path, cleanup):
     """In a terminal: afterwards no process of the job is left, and the cursor that rank 0's
@@ -331,8 +331,9 @@ def test_lesson_07_usage_error_is_not_restarted(tmp_path):
 def test_out_that_is_a_file_or_too_long_fails_at_start_up(tmp_path, capsys):
     """In-process: the launcher stops before starting any agent (so lesson 07 cannot burn
     its restarts on it), and a lesson checks --out before it trains."""
-    from common import nodes
-    from common.results import claim_out
+    sys.path.insert(0, str(ROOT / "tools"))
+    import nodes  # tools/nodes.py, the launcher
+    from apparatus.results import claim_out
     blocker = tmp_path / "afile"
     blocker.write_text("x")
     for call in (lambda: nodes.main(["--elastic", "--nnodes", "1", "--", "lessons/07_elastic.py",
@@ -362,7 +363,7 @@ def test_flags_that_cannot_work_are_refused():
 
 
 def test_outputs_belong_together_and_are_readable(tmp_path):
-    from common.results import matching_pair, save_results
+    from apparatus.results import matching_pair, save_results
     stray = tmp_path / ".final.pt.abc.tmp"
     tmp_path.mkdir(exist_ok=True)
     stray.write_bytes(b"half")
@@ -383,7 +384,7 @@ def current_umask() -> int:
 
 
 def test_a_full_disk_is_one_line(tmp_path, capsys):
-    from common.results import atomic_write
+    from apparatus.results import atomic_write
 
     def no_space(f):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -397,7 +398,7 @@ def test_a_full_disk_is_one_line(tmp_path, capsys):
 
 def test_bad_snapshot_fields_are_refused(tmp_path):
     from common import recipe
-    from common.checkpoint import snapshot_problem
+    from apparatus.state_dicts import snapshot_problem
     model = recipe.make_model(0)
     good = {"format": 1, "model": {k: v.clone() for k, v in model.state_dict().items()},
             "optimizer": recipe.make_optimizer(model).state_dict(), "epoch": 1,
@@ -416,7 +417,7 @@ def test_bad_snapshot_fields_are_refused(tmp_path):
 
 
 def test_a_crafted_cifar_batch_does_not_run_code(tmp_path, capsys):
-    from common.datasets import load_cifar10
+    from apparatus.datasets import load_cifar10
     from test_datasets import write_cifar10
     write_cifar10(tmp_path)
     marker = tmp_path / "PWNED"
@@ -460,7 +461,7 @@ def silent_proxy():
 
 @pytest.mark.parametrize("name", ["cifar10", "mnist"])
 def test_a_download_that_never_answers_gives_up(tmp_path, capsys, monkeypatch, silent_proxy, name):
-    from common import datasets
+    from apparatus import datasets
     for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         monkeypatch.setenv(var, silent_proxy)
     monkeypatch.delenv("no_proxy", raising=False)

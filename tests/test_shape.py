@@ -72,3 +72,37 @@ def test_make_diff_defaults_to_the_parent():
     first = run(["make", "-s", "diff", f"TO={lesson.name[:2]}"]).stdout.splitlines()[0]
     assert first.startswith(f"{lesson_file(parent_of(lesson)).name} -> {lesson.name}:"), first
     assert re.search(r"\d+ lines added", first)
+
+
+def imports_of(path) -> set[str]:
+    """The repository modules a file imports, at the top or inside a function (a late import
+    is still an edge: it can close a cycle)."""
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def test_common_is_small_and_has_no_import_cycle():
+    """common/ is read in one sitting: at most 900 lines, and no module of common/ or
+    apparatus/ reaches itself through imports (cli -> recipe -> datasets -> cli once did)."""
+    files = sorted((ROOT / "common").glob("*.py"))
+    total = sum(len(f.read_text().splitlines()) for f in files)
+    assert total <= 900, f"common/ has {total} lines; move what is not shared lesson code out"
+    modules = {f"{f.parent.name}.{f.stem}" if f.stem != "__init__" else f.parent.name: f
+               for pkg in ("common", "apparatus") for f in (ROOT / pkg).glob("*.py")}
+    edges = {m: {i for i in imports_of(f) if i in modules and i != m} for m, f in modules.items()}
+
+    def reaches(start, goal, seen):
+        for nxt in edges[start]:
+            if nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)):
+                return True
+        return False
+
+    cycles = [m for m in modules if reaches(m, m, set())]
+    assert not cycles, f"import cycles through: {', '.join(sorted(cycles))}"

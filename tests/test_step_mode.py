@@ -96,7 +96,7 @@ def test_torchrun_workers_pause_only_once_they_can_wait_together(tmp_path):
     """Under torchrun, Step 1 runs before the process group exists: pausing there would leave
     the other ranks waiting at the rendezvous until they time out. The first pause comes after
     Step 2 and sums up both steps; waiting longer than the timeout is then harmless."""
-    t = Terminal("-m", "common.nodes", "--nnodes", "1", "--nproc-per-node", "2", "--",
+    t = Terminal("tools/nodes.py", "--nnodes", "1", "--nproc-per-node", "2", "--",
                  lesson_path("06"), "--step", "--epochs", "1", "--timeout", "5", "--out", tmp_path)
     first = t.expect(r"(?s)Step 1:.*?\[Enter\] next step", timeout=90).group(0)
     assert "Step 2: Join the process group" in first
@@ -140,7 +140,7 @@ def _fr_worker(rank: int, out: str) -> None:
     import torch
     import torch.distributed as dist
     from common.distributed import die_with_parent, init_from_env, teardown
-    from common.ui import UI
+    from apparatus.ui import UI
     die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     init_from_env("gloo", TIMEOUT_S)
@@ -159,7 +159,7 @@ def _fr_worker(rank: int, out: str) -> None:
 
 if __name__ == "__main__":  # python tests/test_step_mode.py OUT: 2 ranks, 3 steps, --step on
     from common.distributed import LOOPBACK, free_port, spawn
-    from common.ui import share_terminal_with_children
+    from apparatus.ui import share_terminal_with_children
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()),
                       TORCH_FR_BUFFER_SIZE="100")  # the flight recorder is on from the start
     share_terminal_with_children()

@@ -79,7 +79,7 @@ def test_reference_is_cached_and_a_damaged_cache_is_computed_again():
 
 def test_chunked_reference_is_the_rounding_floor_far_below_the_tolerance(reference_13):
     """Summing each batch in 2 chunks only moves the weights by rounding: Part 2's 1e-3 holds."""
-    from common.results import max_abs_diff
+    from apparatus.results import max_abs_diff
     chunked = T.train_reference(chunks=2)
     assert 0 < max_abs_diff(chunked["state"], reference_13["state"]) < 1e-4
     torch.testing.assert_close(chunked["losses"], reference_13["losses"], rtol=0, atol=1e-4)

@@ -59,7 +59,7 @@ def check_05(path: Path) -> str:
 
 def check_06(path: Path) -> str:
     """Run the file under two simulated torchrun nodes and compare with the real layout."""
-    proc = subprocess.run([sys.executable, "-m", "common.nodes", "--nnodes", "2",
+    proc = subprocess.run([sys.executable, "tools/nodes.py", "--nnodes", "2",
                            "--nproc-per-node", "2", "--rdzv-timeout", "30", "--", str(path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=180,
                           stdin=subprocess.DEVNULL)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import recipe
-from common.ui import Timer
+from apparatus.ui import Timer
 from kit import collective, gather
 
 STEP = 5

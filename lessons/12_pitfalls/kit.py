@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from rich.markup import escape
 
-from common.ui import UI, Timer
+from apparatus.ui import UI, Timer
 
 
 def collective(ui: UI, what: str, call, wait_if_peer_died: float = 0.0) -> None:

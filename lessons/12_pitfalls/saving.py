@@ -24,8 +24,8 @@ import torch.distributed as dist
 from rich.markup import escape
 
 from common import recipe
-from common.results import atomic_write, out_dir, shown
-from common.ui import Timer
+from apparatus.results import atomic_write, out_dir, shown
+from apparatus.ui import Timer
 from kit import gather, leave
 
 STEP = 9
@@ -36,7 +36,7 @@ def run(ui, rank, world_size, args, data, store, evidence) -> None:
     # Under DDP every rank holds the same weights, so one writer is enough: rank 0. Every rank
     # writing the same path is N times the I/O and a race on one file. And a rank that reads
     # the checkpoint must wait until it is complete: that is the barrier's job. We write to a
-    # temporary file and rename it (common.results.atomic_write): readers never see half.
+    # temporary file and rename it (apparatus.results.atomic_write): readers never see half.
     folder = out_dir("12", args.out)
     path = folder / "checkpoint.pt"
     weights = recipe.make_model(args.seed).state_dict()

@@ -1,6 +1,6 @@
 """Simulate several machines on this one: start one torchrun agent per "node".
 
-    .venv/bin/python -m common.nodes --nnodes 2 --nproc-per-node 2 -- lessons/06_torchrun_multinode.py --epochs 3
+    .venv/bin/python tools/nodes.py --nnodes 2 --nproc-per-node 2 -- lessons/06_torchrun_multinode.py --epochs 3
 
 On real machines you would type one torchrun command per machine; this launcher types
 them for you, on 127.0.0.1, prints them first so you can copy them, and watches the
@@ -35,19 +35,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common.cli import LessonParser, fail, nonnegative_int, port_number, positive_float, positive_int  # noqa: E402
-from common.distributed import (LOOPBACK, host_store, restore_terminal,  # noqa: E402
-                                set_parent_death_signal, signal_name, stop_signals)
-from common.results import LOCK_ENV, claim_out, out_dir  # noqa: E402
+from common.distributed import LOOPBACK, host_store  # noqa: E402
+from apparatus.processes import (restore_terminal, set_parent_death_signal,  # noqa: E402
+                                 signal_name, stop_signals)
+from apparatus.results import LOCK_ENV, claim_out, out_dir  # noqa: E402
 
 
 def parse_args(argv):
     if "--" not in argv:
-        fail("usage: .venv/bin/python -m common.nodes [options] -- SCRIPT [script flags]")
+        fail("usage: .venv/bin/python tools/nodes.py [options] -- SCRIPT [script flags]")
     cut = argv.index("--")
     own, script = argv[:cut], argv[cut + 1:]
     if not script:
-        fail("no script after --; e.g. .venv/bin/python -m common.nodes -- lessons/06_torchrun_multinode.py")
-    p = LessonParser(prog=".venv/bin/python -m common.nodes", description=__doc__.splitlines()[0])
+        fail("no script after --; e.g. .venv/bin/python tools/nodes.py -- lessons/06_torchrun_multinode.py")
+    p = LessonParser(prog=".venv/bin/python tools/nodes.py", description=__doc__.splitlines()[0])
     p.add_argument("--nnodes", default="2",
                    help="how many nodes (agents) to start; MIN:MAX with --elastic")
     p.add_argument("--nproc-per-node", type=positive_int, default=2, help="workers per node")

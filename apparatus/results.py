@@ -130,7 +130,7 @@ def atomic_write(path: Path, write) -> None:
 
 def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """CPU copies of the weights without wrapper prefixes (DDP's `module.`, compile's `_orig_mod.`)."""
-    from common.checkpoint import unwrap  # lesson 09 explains the wrappers
+    from apparatus.state_dicts import unwrap  # lesson 09 explains the wrappers
 
     model = unwrap(model)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from common.cli import fail
+from common import fail
 
 # Per-channel mean and std of the training sets, the values torchvision's examples use.
 MNIST_STATS = ((0.1307,), (0.3081,))
