@@ -31,10 +31,6 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def gpu_count(device: torch.device) -> int:
-    return torch.cuda.device_count() if device.type == "cuda" else 0
-
-
 def plan_device(choice: str, procs_per_node: int) -> tuple[str, str | None]:
     """'cuda' or 'cpu' for a job with `procs_per_node` processes on each machine.
 

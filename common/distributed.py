@@ -131,22 +131,13 @@ def env_store(rank: int, world_size: int, timeout_s: float):
                             store)
 
 
-def env_world() -> tuple[int, int, int, int]:
-    """(rank, local_rank, world_size, local_world_size) as torchrun sets them; 0,0,1,1 otherwise."""
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return rank, local_rank, world_size, local_world_size
-
-
 def init_from_env(backend: str, timeout_s: float, device=None) -> tuple[int, int]:
     """Join the process group described by the environment; returns (rank, world_size).
 
     Under plain `python` there is no torchrun to set MASTER_ADDR/MASTER_PORT, so we make
     a world of one on a free local port. The store listens on MASTER_ADDR only (env_store).
     """
-    rank, _, world_size, _ = env_world()
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = LOOPBACK
         os.environ["MASTER_PORT"] = str(free_port())

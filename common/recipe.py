@@ -1,13 +1,9 @@
-"""The shared training recipe: one model, one data set, one optimizer, one sample order.
+"""The shared training recipe (lesson 01): one model, one data set, one optimizer, one order.
 
-Every training lesson uses these, so every lesson's final weights can be compared with
-lesson 01's. Two choices make that comparison exact rather than approximate:
-
-* The model has no BatchNorm and no dropout. BatchNorm's statistics depend on which
-  samples sit on which device, and dropout draws random numbers per device; either would
-  make N devices compute something different from one device.
-* The global batch (96) divides by 1, 2, 3 and 4, and the training set (3072 samples) is
-  a multiple of it, so `DistributedSampler` never pads and every rank gets equal batches.
+Every training lesson uses these, so its final weights can be compared with lesson 01's.
+That comparison is exact because the model has no BatchNorm and no dropout (either would
+make N devices compute something other than one device), and the global batch (96)
+divides by 1, 2, 3 and 4 and the training set (3072 = 96 x 32) by it: no rank is padded.
 """
 from __future__ import annotations
 
@@ -103,6 +99,16 @@ def load_data(dataset: str = "synthetic", data_dir: Path | None = None,
              f"needs at least {GLOBAL_BATCH}")
     train = TensorDataset(train.tensors[0][:keep], train.tensors[1][:keep])
     return Data(train, test, train.tensors[0][0].numel(), 10, dataset)
+
+
+def check_world_size(n: int, named: str, most: int | None = None) -> None:
+    """The one world-size rule: N ranks split GLOBAL_BATCH into equal batches (and one
+    machine runs at most `most` of them, each a process of about 0.4 GB)."""
+    most = most or GLOBAL_BATCH
+    if GLOBAL_BATCH % n or n > most:
+        ok = ", ".join(str(d) for d in range(1, most + 1) if GLOBAL_BATCH % d == 0)
+        fail(f"{named} cannot split the global batch of {GLOBAL_BATCH} samples into equal "
+             f"per-rank batches{' on one machine' if most < GLOBAL_BATCH else ''}; use one of {ok}")
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

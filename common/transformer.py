@@ -24,7 +24,6 @@ mean of the ranks' mean losses the global mean.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from pathlib import Path
 

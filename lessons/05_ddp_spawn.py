@@ -50,13 +50,7 @@ def parse_args():
                         help="the training step at which --crash-rank fails")
     args = parser.parse_args()
     n = args.world_size
-    if n > MAX_WORLD:
-        fail(f"--world-size {n} is more processes than make sense on one machine (each takes about "
-             f"0.4 GB of memory); use {MAX_WORLD} or fewer")
-    if recipe.GLOBAL_BATCH % n:
-        ok = [d for d in range(1, MAX_WORLD + 1) if recipe.GLOBAL_BATCH % d == 0]
-        fail(f"--world-size {n} does not divide the global batch of {recipe.GLOBAL_BATCH} "
-             f"samples into equal per-rank batches; use one of {', '.join(map(str, ok))}")
+    recipe.check_world_size(n, f"--world-size {n}", most=MAX_WORLD)
     if args.crash_rank is not None and args.crash_rank >= n:
         fail(f"--crash-rank {args.crash_rank} does not exist in a world of {n} (ranks 0..{n - 1})")
     return args

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import recipe
-from common.cli import fail, lesson_parser, nonnegative_int, run
+from common.cli import lesson_parser, nonnegative_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import die_with_parent, env_store, free_port
 from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
@@ -72,10 +72,7 @@ def main() -> None:
     ui.title(f"Lesson 06: {world_size} workers on {world_size // local_world_size} node(s), "
              f"{'started by torchrun' if launched else 'plain python: a world of one'}")
     ui.step(1, "Read who we are from the environment")
-    if recipe.GLOBAL_BATCH % world_size:
-        sizes = [n for n in range(1, recipe.GLOBAL_BATCH + 1) if recipe.GLOBAL_BATCH % n == 0]
-        fail(f"WORLD_SIZE={world_size} does not divide the global batch of {recipe.GLOBAL_BATCH}; "
-             f"use one of {', '.join(map(str, sizes))} workers in total")
+    recipe.check_world_size(world_size, f"WORLD_SIZE={world_size}")
     ui.print(f"MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']} "
              f"WORLD_SIZE={world_size} LOCAL_WORLD_SIZE={local_world_size}")
     if rank == 0:

@@ -102,9 +102,7 @@ def main() -> None:
     ui.title(f"Lesson 07: attempt {restart_count + 1} of at most {max_restarts + 1}, "
              f"{world_size} worker(s), {'started by torchrun' if launched else 'plain python: a world of one'}")
     ui.step(1, "Read who we are and which attempt this is")
-    if recipe.GLOBAL_BATCH % world_size:
-        fail(f"WORLD_SIZE={world_size} does not divide the global batch of {recipe.GLOBAL_BATCH}; "
-             f"use 1, 2, 3, 4, 6 or 8 workers in total")
+    recipe.check_world_size(world_size, f"WORLD_SIZE={world_size}")
     fail_rank = world_size - 1 if args.fail_rank is None else args.fail_rank
     if fail_rank >= world_size:
         fail(f"--fail-rank {fail_rank} does not exist in a world of {world_size} (ranks 0..{world_size - 1})")

@@ -53,13 +53,7 @@ def parse_args():
                              "buckets mean more all-reduce calls per sync")
     args = parser.parse_args()
     n = args.world_size
-    if n > MAX_WORLD:
-        fail(f"--world-size {n} is more processes than make sense on one machine (each takes about "
-             f"0.4 GB of memory); use {MAX_WORLD} or fewer")
-    if recipe.GLOBAL_BATCH % n:
-        ok = [d for d in range(1, MAX_WORLD + 1) if recipe.GLOBAL_BATCH % d == 0]
-        fail(f"--world-size {n} does not divide the global batch of {recipe.GLOBAL_BATCH} "
-             f"samples into equal per-rank batches; use one of {', '.join(map(str, ok))}")
+    recipe.check_world_size(n, f"--world-size {n}", most=MAX_WORLD)
     accumulation.check_accum_steps(args.accum_steps, n)  # equal micro-batches on every rank
     return args
 

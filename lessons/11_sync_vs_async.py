@@ -60,13 +60,7 @@ def parse_args():
     if n < 2:
         fail(f"--world-size {n} is one worker: nothing to synchronise and nobody to be stale "
              f"behind; use --world-size 2 or more (the default is 4)")
-    if n > MAX_WORLD:
-        fail(f"--world-size {n} is more workers than this lesson measures usefully on one "
-             f"machine; use {MAX_WORLD} or fewer")
-    if recipe.GLOBAL_BATCH % n:
-        ok = [d for d in range(2, MAX_WORLD + 1) if recipe.GLOBAL_BATCH % d == 0]
-        fail(f"--world-size {n} does not divide the global batch of {recipe.GLOBAL_BATCH} into "
-             f"equal worker batches; use one of {', '.join(map(str, ok))}")
+    recipe.check_world_size(n, f"--world-size {n}", most=MAX_WORLD)
     if args.slow_rank >= n:
         fail(f"--slow-rank {args.slow_rank} does not exist among {n} workers (0..{n - 1})")
     if args.slow_factor < 1:

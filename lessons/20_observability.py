@@ -54,12 +54,7 @@ def parse_args():
     parser.set_defaults(timeout=15.0)  # a skipped collective fails after this, not after 60 s
     args = parser.parse_args()
     n = args.world_size
-    if n > MAX_WORLD:
-        fail(f"--world-size {n} is more processes than make sense on one machine; use {MAX_WORLD} or fewer")
-    if recipe.GLOBAL_BATCH % n:
-        ok = [d for d in range(1, MAX_WORLD + 1) if recipe.GLOBAL_BATCH % d == 0]
-        fail(f"--world-size {n} does not divide the global batch of {recipe.GLOBAL_BATCH} "
-             f"samples into equal per-rank batches; use one of {', '.join(map(str, ok))}")
+    recipe.check_world_size(n, f"--world-size {n}", most=MAX_WORLD)
     if args.skip_rank is not None and not 0 < args.skip_rank < n:
         fail(f"--skip-rank {args.skip_rank}: choose a rank from 1 to {n - 1} (rank 0 writes the results)")
     return args

@@ -50,7 +50,8 @@ def test_a_crashing_rank_ends_the_job_promptly(tmp_path):
 
 @pytest.mark.parametrize("value, expect", [("0", "1 or more"), ("-1", "1 or more"),
                                            ("abc", "'abc'"), ("2.5", "'2.5'"),
-                                           ("5", "does not divide"), ("64", "16 or fewer")])
+                                           ("5", "cannot split the global batch"),
+                                           ("64", "on one machine; use one of 1, 2, 3, 4, 6, 8, 12, 16")])
 def test_bad_world_sizes_are_one_clear_line(value, expect):
     line = one_error_line(run_lesson("05", "--world-size", value, check=False))
     assert "--world-size" in line and expect in line

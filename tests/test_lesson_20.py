@@ -115,7 +115,7 @@ def test_a_rank_that_skips_a_collective_is_named_from_the_dumps(runs):
 
 @pytest.mark.parametrize("flags, expect", [(["--skip-rank", "0"], "from 1 to 1"),
                                            (["--skip-rank", "2"], "from 1 to 1"),
-                                           (["--world-size", "5"], "does not divide")])
+                                           (["--world-size", "5"], "cannot split the global batch")])
 def test_bad_flags_are_one_clear_line(flags, expect, monkeypatch, capsys):
     line = parse_error(import_lesson("20"), flags, monkeypatch, capsys)
     assert expect in line
