@@ -70,11 +70,13 @@ def test_every_shown_command_uses_real_flags(doc):
 
 
 def mask(text):
-    """Numbers become #, table rules and runs of spaces collapse; lines are sorted because
-    ranks print in whatever order they reach the terminal."""
+    """Numbers become # (and a measured "faster"/"slower" with them), table rules and runs of
+    spaces collapse; lines are sorted because ranks print in whatever order they reach the
+    terminal."""
     lines = []
     for line in text.splitlines():
         line = re.sub(r"[-+]?\d[\d,]*(\.\d+)?(e[-+]?\d+)?", "#", line)
+        line = re.sub(r"\b(faster|slower)\b", "faster/slower", line)  # a measurement, like the numbers
         line = re.sub(r"[━─┏┓┗┛┡┩└┘┳┻╇┃│┌┐╸╺]+", "|", line)
         line = re.sub(r"\s+", " ", line).strip()
         if line:
