@@ -65,3 +65,26 @@ def test_relative_links_reach_a_file(doc):
               if "://" not in target and not target.startswith("mailto:")
               and not (doc.parent / target).exists()]
     assert not broken, f"{doc.relative_to(ROOT)} links to missing files: {broken}"
+
+
+def words_to_the_last_step(text: str) -> int:
+    """Prose words from the top of a doc to the end of its last `## Step N` section (code and
+    output blocks not counted); what comes after, under "Going further", is not counted."""
+    heads = [m.end() for m in re.finditer(r"^## Step \d+.*$", text, re.M)]
+    if not heads:
+        return 0
+    after = re.search(r"^## ", text[heads[-1]:], re.M)
+    end = heads[-1] + after.start() if after else len(text)
+    return len(re.sub(r"^```.*?^```", " ", text[:end], flags=re.S | re.M).split())
+
+
+def test_word_count_skips_code_and_going_further():
+    text = "# T\nintro words\n## Step 1: a\none two\n```bash\nnot counted\n```\n## Going further\nx y z\n"
+    assert words_to_the_last_step(text) == 10  # "# T intro words ## Step 1: a one two"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_doc_reads_in_a_class_at_most_3000_words_to_its_last_step(lesson):
+    n = words_to_the_last_step((ROOT / "docs" / f"{lesson.stem}.md").read_text())
+    assert n <= 3000, (f"docs/{lesson.stem}.md has {n} words to the end of its last step; "
+                       f"move deeper material after the steps, under 'Going further'")
