@@ -1,8 +1,8 @@
 """Lesson 01: one device, the training loop every later lesson is measured against.
 
-New here: everything. The data, the model, `.to(device)`, the loop, evaluation and saving,
-written out in full. Every later lesson trains this same recipe in a distributed way and
-must end with the *same weights* as this lesson; that is how we prove it is correct.
+New here: everything. `.to(device)`, the loop, evaluation and saving are written out; the
+data, model and sample order are the recipe in common/recipe.py (Steps 2-3 send you there).
+Every later lesson must end with the *same weights* as this one: that is how we prove it.
 
 Run:
     make lesson-01
@@ -40,9 +40,10 @@ def main() -> None:
     ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
 
     # Step 2: Make the data
-    # The recipe's data set is generated in-process: 3072 training and 1024 test samples,
-    # 16 features, 4 classes. The sampler fixes the order of every epoch from (seed, epoch)
-    # alone, exactly as DistributedSampler will in lesson 05.
+    # The recipe's data set (common/recipe.py: synthetic_data, EpochShuffle) is made
+    # in-process: 3072 training and 1024 test samples, 16 features, 4 classes. The sampler
+    # fixes the order of every epoch from (seed, epoch) alone, as DistributedSampler will
+    # in lesson 05.
     ui.step(2, "Make the data")
     data = recipe.load_data(args.dataset, args.data_dir, args.download)
     sampler = recipe.EpochShuffle(len(data.train), seed=args.seed)
@@ -53,9 +54,10 @@ def main() -> None:
     ui.print(f"batch size {recipe.GLOBAL_BATCH} -> {len(loader)} optimizer steps per epoch")
 
     # Step 3: Build the model and move it to the device
-    # Seeding right before building the model makes the initial weights a function of
-    # --seed only. `.to(device)` moves every parameter and buffer (lesson 02 shows how),
-    # and the optimizer must be built from the parameters *after* they have been moved.
+    # The model is recipe.MLP (common/recipe.py: three Linear layers with ReLU). Seeding
+    # right before building it makes the initial weights a function of --seed only.
+    # `.to(device)` moves every parameter and buffer (lesson 02 shows how), and the
+    # optimizer must be built from the parameters *after* they have been moved.
     ui.step(3, "Build the model and move it to the device")
     model = recipe.make_model(args.seed, data.in_features, data.classes).to(device)
     optimizer = recipe.make_optimizer(model)
