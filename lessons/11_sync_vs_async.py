@@ -9,6 +9,11 @@ but a worker's gradient may be computed on weights that others have changed sinc
 (`--slow-rank`, `--slow-factor`); the lesson prints throughput, staleness and the loss and
 accuracy each reaches.
 
+It opens its own topic (when updates land, not how gradients travel), so it names no parent
+lesson. What only checks flags, measures or prints (the flag rules, the best-case bounds, the
+per-worker statistics and tables, the straggler's error message, metrics.json) is in
+apparatus/sync_async.py.
+
 Run:
     make lesson-11
     make lesson-11 ARGS="--slow-factor 8"
@@ -21,7 +26,6 @@ import datetime
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,14 +37,13 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from common import recipe
-from common.cli import fail, lesson_parser, nonnegative_int, positive_float, run
+from common.cli import lesson_parser, nonnegative_int, positive_float, run
 from common.distributed import choose_port, env_store, spawn, teardown
-from apparatus.results import make_metrics, max_abs_diff, out_dir, save_results, shown
+from apparatus.results import out_dir
 from apparatus.ui import UI
-
-MAX_WORLD = 8
-# columns of the per-worker statistics every process writes into shared memory
-SAMPLES, UPDATES, BUSY, WAIT, START, END = range(6)
+from apparatus.sync_async import (check_args, clock, compare, explain_straggler, record,
+                                  replica_spread, save, shared_stats, show_bounds, summarise,
+                                  wait_at)
 
 
 def parse_args():
@@ -56,19 +59,7 @@ def parse_args():
     parser.add_argument("--mode", choices=["both", "sync", "async"], default="both",
                         help="which of the two trainings to run")
     args = parser.parse_args()
-    n = args.world_size
-    if n < 2:
-        fail(f"--world-size {n} is one worker: nothing to synchronise and nobody to be stale "
-             f"behind; use --world-size 2 or more (the default is 4)")
-    recipe.check_world_size(n, f"--world-size {n}", most=MAX_WORLD)
-    if args.slow_rank >= n:
-        fail(f"--slow-rank {args.slow_rank} does not exist among {n} workers (0..{n - 1})")
-    if args.slow_factor < 1:
-        fail(f"--slow-factor {args.slow_factor:g} would make the slow worker faster; use 1 "
-             f"(nobody slow) or more")
-    if args.device == "cuda":
-        fail("this lesson trains on the CPU on purpose (Hogwild shares one model in CPU "
-             "memory between processes); leave out --device")
+    check_args(args)  # 2..8 workers that split the batch of 96, a real --slow-rank, CPU only
     return args
 
 
@@ -84,22 +75,28 @@ def main() -> None:
     # epochs, in batches of 96/N per worker. Compute is simulated with a sleep of
     # --work-ms per batch (times --slow-factor on the slow worker): with 4 processes on
     # 2 cores, real compute would measure the cores' contention, not the algorithms.
-    # Everything the workers share lives in shared memory, made here, before they start.
     ui.step(1, "Set up the race")
     data = recipe.load_data(args.dataset, args.data_dir, args.download)
     batch = recipe.GLOBAL_BATCH // n
     steps = args.epochs * len(data.train) // recipe.GLOBAL_BATCH  # synchronous steps
-    work, slow = args.work_ms / 1e3, args.work_ms / 1e3 * args.slow_factor
-    bounds = {"sync": recipe.GLOBAL_BATCH / slow,             # every step waits for the slowest
-              "async": batch * ((n - 1) / work + 1 / slow)}   # everyone at their own pace
     ui.print(f"{n} workers x {batch} samples per batch; {args.epochs} epochs = "
              f"{args.epochs * len(data.train):,} samples in each mode")
-    ui.print(f"simulated compute per batch: {args.work_ms:g} ms; worker {args.slow_rank}: "
-             f"{args.work_ms * args.slow_factor:g} ms")
-    ui.print(f"best case (compute only, no overhead): sync {bounds['sync']:,.0f} samples/s "
-             f"= N*B / slowest batch time; async {bounds['async']:,.0f} samples/s = the sum "
-             f"of every worker's own rate")
-    shared = make_shared(args, data, steps)
+    bounds = show_bounds(ui, args, batch)  # the best throughput each mode could reach
+    # Everything the workers share lives in shared memory, made here, before they start:
+    # the statistics each worker writes, and for Hogwild the model itself.
+    shared = {}
+    if args.mode in ("both", "sync"):
+        shared["sync"] = shared_stats(n, steps)
+    if args.mode in ("both", "async"):
+        model = recipe.make_model(args.seed, data.in_features, data.classes)
+        model.share_memory()  # the parameters move to shared memory: one copy for all workers
+        ctx = mp.get_context("spawn")  # mp.spawn's method; its Values and Barriers match it
+        shared["async"] = {
+            "model": model,
+            "next_batch": ctx.Value("l", 0),  # the next batch to hand out
+            "version": ctx.Value("l", 0),     # how many updates the shared model has had
+            "start_line": ctx.Barrier(n), "finish_line": ctx.Barrier(n),
+            **shared_stats(n, steps * n, hogwild=True)}  # one update per worker batch
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(choose_port(args.master_port))
     if args.step:
@@ -111,36 +108,11 @@ def main() -> None:
     spawn(worker, (n, args, shared, bounds), n)
 
 
-def make_shared(args, data, steps: int) -> dict:
-    """Tensors, counters and barriers in shared memory: the workers write their statistics
-    here (and the asynchronous ones their model), rank 0 reads them when everyone is done."""
-    n = args.world_size
-    shared = {}
-    if args.mode in ("both", "sync"):
-        shared["sync"] = {"stats": torch.zeros(n, 6, dtype=torch.float64).share_memory_(),
-                          "losses": torch.zeros(steps, dtype=torch.float64).share_memory_()}
-    if args.mode in ("both", "async"):
-        total = steps * n  # one update per worker batch
-        model = recipe.make_model(args.seed, data.in_features, data.classes)
-        model.share_memory()  # the parameters move to shared memory: one copy for all workers
-        ctx = mp.get_context("spawn")  # mp.spawn's method; its Values and Barriers match it
-        shared["async"] = {
-            "model": model,
-            "next_batch": ctx.Value("l", 0),  # the next batch to hand out
-            "version": ctx.Value("l", 0),     # how many updates the shared model has had
-            "start_line": ctx.Barrier(n), "finish_line": ctx.Barrier(n),
-            "stats": torch.zeros(n, 6, dtype=torch.float64).share_memory_(),
-            "losses": torch.zeros(total, dtype=torch.float64).share_memory_(),
-            "staleness": torch.full((total,), -1, dtype=torch.int64).share_memory_(),
-            "owner": torch.full((total,), -1, dtype=torch.int64).share_memory_()}
-    return shared
-
-
 def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
     torch.set_num_threads(1)  # N workers share the cores
     ui = UI(rank, n)
     data = recipe.load_data(args.dataset, args.data_dir, args.download)
-    results = {}
+    results, states = {}, {}
 
     if "sync" in shared:
         # Step 2: Train synchronously
@@ -156,15 +128,13 @@ def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
         model = train_sync(rank, n, args, data, ui, shared["sync"])
         spread = replica_spread(model)  # are the N copies still identical?
         if rank == 0:
-            steps = len(shared["sync"]["losses"])
-            results["sync"] = summarise(ui, "sync", model, data, shared["sync"], [0] * steps,
-                                        None, args)
+            results["sync"] = summarise(ui, "sync", model, data, shared["sync"], args)
             results["sync"]["replicas_max_diff"] = spread
             ui.print(f"all {n} copies ended identical (max difference {spread:.1e}), equal to "
                      f"lesson 01's weights up to "
                      f"{results['sync']['max_abs_diff_vs_single_device']:.1e}: synchronous "
                      f"training is plain SGD on the global batch")
-            sync_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            states["sync"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         dist.barrier()  # rank 0 has read everything before anyone leaves
         del model
         teardown()  # the asynchronous part needs no process group: memory is shared
@@ -183,9 +153,8 @@ def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
         wait_at(a["finish_line"], rank, args, "the finish line",
                 extra=args.work_ms / 1e3 * args.slow_factor)
         if rank == 0:
-            results["async"] = summarise(ui, "async", a["model"], data, a,
-                                         a["staleness"].tolist(), a["owner"].tolist(), args)
-            async_state = {k: v.detach().clone() for k, v in a["model"].state_dict().items()}
+            results["async"] = summarise(ui, "async", a["model"], data, a, args)
+            states["async"] = {k: v.detach().clone() for k, v in a["model"].state_dict().items()}
     if rank != 0:
         return
 
@@ -193,47 +162,14 @@ def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
     # Throughput is what asynchrony buys; staleness is what it costs; the loss and the
     # accuracy say whether the cost mattered on this problem.
     ui.step(4, "Compare")
-    modes = list(results)
-    shown_as = [("samples/s, all workers", "samples_per_second", "{:,.0f}"),
-                ("best case from step 1", "bound", "{:,.0f}"),
-                ("wall seconds", "wall_seconds", "{:.2f}"),
-                ("updates to the weights", "updates", "{:,}"),
-                ("mean staleness (updates)", "staleness_mean", "{:.2f}"),
-                ("max staleness", "staleness_max", "{:,}"),
-                ("train loss, last epoch", "last_epoch_loss", "{:.4f}"),
-                ("test loss", "test_loss", "{:.4f}"),
-                ("test accuracy", "final_accuracy", "{:.1%}"),
-                ("max |w - lesson 01's w|", "max_abs_diff_vs_single_device", "{:.1e}")]
-    for m in modes:
-        results[m]["bound"] = round(bounds[m], 1)
-    ui.table(f"Same samples, same start; worker {args.slow_rank} is {args.slow_factor:g}x slower",
-             [""] + modes, [[label] + [form.format(results[m][key]) for m in modes]
-                            for label, key, form in shown_as])
-    if len(modes) == 2:
-        speedup = results["async"]["samples_per_second"] / results["sync"]["samples_per_second"]
-        ui.print(f"async got through the samples {speedup:.1f}x faster (best case "
-                 f"{bounds['async'] / bounds['sync']:.1f}x) and reached "
-                 f"{results['async']['final_accuracy']:.1%} test accuracy against sync's "
-                 f"{results['sync']['final_accuracy']:.1%} (chance is {1 / data.classes:.0%})")
+    compare(ui, results, bounds, args, data.classes)
 
     # Step 5: Save the results
     # metrics.json's top-level fields describe the synchronous run (or the only run made),
     # and "modes" holds both. final.pt holds the synchronous weights when there are any:
     # they are the ones every rerun reproduces exactly.
     ui.step(5, "Save the results")
-    folder = out_dir("11", args.out)
-    main_mode = modes[0]
-    r = results[main_mode]
-    save_results(folder, sync_state if main_mode == "sync" else async_state, make_metrics(
-        lesson="11", world_size=n, backend="gloo" if main_mode == "sync" else "shared-memory",
-        device="cpu", losses=r["losses"], final_accuracy=r["final_accuracy"],
-        wall_seconds=r["wall_seconds"], samples=r["samples"], mode=main_mode,
-        epochs=args.epochs, seed=args.seed, dataset=data.name, slow_rank=args.slow_rank,
-        slow_factor=args.slow_factor, work_ms=args.work_ms,
-        worker_batch=recipe.GLOBAL_BATCH // n,
-        modes={m: {k: v for k, v in results[m].items() if k != "losses"} for m in modes}))
-    ui.print(f"wrote {shown(folder / 'final.pt')} ({main_mode} weights) and "
-             f"{shown(folder / 'metrics.json')}")
+    save(ui, out_dir("11", args.out), results, states, args, data)
 
 
 def simulate_work(rank: int, args) -> None:
@@ -245,7 +181,7 @@ def simulate_work(rank: int, args) -> None:
 
 def train_sync(rank: int, n: int, args, data, ui: UI, sh: dict):
     """Step 2's loop: local gradient, all-reduce (wait for everyone), identical step."""
-    stats, losses = sh["stats"], sh["losses"]
+    losses = sh["losses"]
     model = recipe.make_model(args.seed, data.in_features, data.classes)  # same seed: same start
     optimizer = recipe.make_optimizer(model)
     params = list(model.parameters())
@@ -271,18 +207,14 @@ def train_sync(rank: int, n: int, args, data, ui: UI, sh: dict):
             try:
                 dist.all_reduce(flat)  # SUM; returns once the slowest worker has sent too
             except RuntimeError as exc:
-                explain_straggler(exc, rank, step, args)
+                explain_straggler(exc, rank, step, args)  # a timeout, in one clear line
             flat /= n  # the mean of N means over 96/N samples = the mean over 96 samples
             offset = 0
             for p in params:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
             optimizer.step()  # the same gradient on every copy: the same step
-            t2 = time.time()
-            stats[rank, BUSY] += t1 - t0
-            stats[rank, WAIT] += t2 - t1
-            stats[rank, SAMPLES] += len(idx)
-            stats[rank, UPDATES] += 1
+            record(sh, rank, len(idx), busy=t1 - t0, wait=time.time() - t1)
             if rank == 0:
                 losses[step] = flat[-1].item()  # the global batch's loss
             step += 1
@@ -290,38 +222,14 @@ def train_sync(rank: int, n: int, args, data, ui: UI, sh: dict):
             ui.log(epoch + 1, step, args.epochs * per_epoch,
                    losses[step - per_epoch:step].mean().item(),
                    step * recipe.GLOBAL_BATCH / (time.time() - start))
-    stats[rank, START], stats[rank, END] = start, time.time()
+    clock(sh, rank, start, time.time())
     return model
-
-
-def explain_straggler(exc: RuntimeError, rank: int, step: int, args) -> None:
-    """Re-raise gloo's timeout as what it means here. The first worker to time out exits;
-    the others then see "Connection closed by peer": the same cause, the same message."""
-    text = str(exc)
-    if "Timed out" not in text and "Connection closed by peer" not in text:
-        raise exc
-    what = "waited" if "Timed out" in text else "lost a worker that had waited"
-    raise RuntimeError(
-        f"rank {rank} {what} more than --timeout {args.timeout:g}s in all-reduce at step "
-        f"{step}: a synchronous step waits for the slowest worker (worker {args.slow_rank}: "
-        f"{args.work_ms * args.slow_factor:g} ms per batch); raise --timeout or lower "
-        f"--slow-factor") from None
-
-
-def replica_spread(model) -> float:
-    """Largest difference between any rank's weights and rank 0's (0.0 when in lockstep)."""
-    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    rank0 = mine.clone()
-    dist.broadcast(rank0, src=0)
-    gap = (mine - rank0).abs().max().view(1)
-    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-    return gap.item()
 
 
 def train_async(rank: int, n: int, args, data, ui: UI, sh: dict) -> None:
     """Step 3's loop: next batch from a shared counter, gradient, lock-free update."""
     model, next_batch, version = sh["model"], sh["next_batch"], sh["version"]
-    stats, losses, staleness, owner = sh["stats"], sh["losses"], sh["staleness"], sh["owner"]
+    losses, staleness, owner = sh["losses"], sh["staleness"], sh["owner"]
     # Each worker has its own optimizer (and momentum buffers) over the *shared* parameters.
     # lr / N: N updates of 96/N samples then move the weights as far as one synchronous
     # update of 96 samples: both runs take the same step per sample.
@@ -349,86 +257,19 @@ def train_async(rank: int, n: int, args, data, ui: UI, sh: dict) -> None:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()   # the gradient lands in this process's own .grad tensors
         simulate_work(rank, args)
-        stats[rank, BUSY] += time.time() - t0
+        busy = time.time() - t0
         optimizer.step()  # writes straight into the shared weights: no lock (Hogwild)
         with version.get_lock():
             staleness[b] = version.value - read  # updates by the others since we read
             version.value += 1
         losses[b] = loss.item()
         owner[b] = rank
-        stats[rank, SAMPLES] += len(idx)
-        stats[rank, UPDATES] += 1
+        record(sh, rank, len(idx), busy=busy)
         if (b + 1) % per_epoch == 0:  # whoever finishes an epoch's last batch reports it
             ui.say_all(f"epoch {epoch + 1:>2} | update {b + 1:>4}/{total} | loss "
                        f"{loss.item():.4f} | {(b + 1) * batch / (time.time() - start):>9,.0f} "
                        f"samples/s")
-    stats[rank, START], stats[rank, END] = start, time.time()
-
-
-def wait_at(barrier, rank: int, args, where: str, extra: float = 0.0) -> None:
-    """A multiprocessing barrier with the lesson's timeout, and an error that says so."""
-    try:
-        barrier.wait(timeout=args.timeout + extra)
-    except threading.BrokenBarrierError:
-        raise RuntimeError(f"worker {rank} waited more than --timeout {args.timeout:g}s at "
-                           f"{where} for the other workers") from None
-
-
-def summarise(ui: UI, mode: str, model, data, sh: dict, staleness: list, owner, args) -> dict:
-    """Rank 0, once everyone is done: a per-worker table and the numbers of step 4."""
-    stats, losses = sh["stats"], sh["losses"].tolist()
-    n = stats.shape[0]
-    wall = (stats[:, END].max() - stats[:, START].min()).item()
-    owner = owner or [None] * len(staleness)  # sync: every update is everyone's
-    rows = []
-    for r in range(n):
-        mine = [s for s, o in zip(staleness, owner) if o in (r, None)]
-        rows.append([r, int(stats[r, UPDATES]), int(stats[r, SAMPLES]),
-                     f"{stats[r, SAMPLES].item() / wall:,.0f}",
-                     f"{stats[r, BUSY].item() / wall:.0%}",
-                     f"{stats[r, WAIT].item() / wall:.0%}" if mode == "sync" else "-",
-                     f"{sum(mine) / max(len(mine), 1):.1f}", max(mine, default=0)])
-    ui.table(f"{mode}: per worker, {wall:.2f} s wall",
-             ["worker", "updates", "samples", "samples/s", "computing", "waiting",
-              "staleness", "max"], rows)
-    with torch.no_grad():
-        x, y = data.test.tensors
-        test_loss = F.cross_entropy(model(x), y).item()
-    last = losses[-(len(losses) // args.epochs):]  # the updates of the last epoch
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    samples = int(stats[:, SAMPLES].sum())
-    return {
-        "samples": samples,
-        "samples_per_second": round(samples / wall, 1),
-        "wall_seconds": round(wall, 3),
-        "updates": len(losses),
-        "staleness_mean": round(sum(staleness) / len(staleness), 3),
-        "staleness_max": int(max(staleness)),
-        "last_epoch_loss": round(sum(last) / len(last), 4),
-        "test_loss": round(test_loss, 4),
-        "final_accuracy": recipe.accuracy(model, data.test, torch.device("cpu")),
-        "max_abs_diff_vs_single_device": max_abs_diff(state, lesson01_weights(args, data)),
-        "per_worker": [{"worker": r, "updates": int(stats[r, UPDATES]),
-                        "samples": int(stats[r, SAMPLES]),
-                        "samples_per_second": round(stats[r, SAMPLES].item() / wall, 1),
-                        "busy_fraction": round(stats[r, BUSY].item() / wall, 3),
-                        "wait_fraction": round(stats[r, WAIT].item() / wall, 3),
-                        "staleness_mean": round(sum(s for s, o in zip(staleness, owner)
-                                                    if o in (r, None))
-                                                / max(1, sum(o in (r, None) for o in owner)), 3)}
-                       for r in range(n)],
-        "losses": losses,
-    }
-
-
-_lesson01: dict = {}
-
-
-def lesson01_weights(args, data) -> dict:
-    """recipe.train_reference: lesson 01's final weights for this seed and epochs (once)."""
-    if not _lesson01:
-        _lesson01.update(recipe.train_reference(args.seed, args.epochs, data))
-    return _lesson01
+    clock(sh, rank, start, time.time())
 
 
 if __name__ == "__main__":
