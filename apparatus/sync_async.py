@@ -41,7 +41,7 @@ def check_args(args) -> None:
     if n < 2:
         fail(f"--world-size {n} is one worker: nothing to synchronise and nobody to be stale "
              f"behind; use --world-size 2 or more (the default is 4)")
-    recipe.check_world_size(n, f"--world-size {n}", most=MAX_WORLD)
+    recipe.check_world_size(n, f"--world-size {n}", most=MAX_WORLD, least=2)
     if args.slow_rank >= n:
         fail(f"--slow-rank {args.slow_rank} does not exist among {n} workers (0..{n - 1})")
     if args.slow_factor < 1:

@@ -101,12 +101,12 @@ def load_data(dataset: str = "synthetic", data_dir: Path | None = None,
     return Data(train, test, train.tensors[0][0].numel(), 10, dataset)
 
 
-def check_world_size(n: int, named: str, most: int | None = None) -> None:
+def check_world_size(n: int, named: str, most: int | None = None, least: int = 1) -> None:
     """The one world-size rule: N ranks split GLOBAL_BATCH into equal batches (and one
     machine runs at most `most` of them, each a process of about 0.4 GB)."""
     most = most or GLOBAL_BATCH
-    if GLOBAL_BATCH % n or n > most:
-        ok = ", ".join(str(d) for d in range(1, most + 1) if GLOBAL_BATCH % d == 0)
+    if GLOBAL_BATCH % n or not least <= n <= most:
+        ok = ", ".join(str(d) for d in range(least, most + 1) if GLOBAL_BATCH % d == 0)
         fail(f"{named} cannot split the global batch of {GLOBAL_BATCH} samples into equal "
              f"per-rank batches{' on one machine' if most < GLOBAL_BATCH else ''}; use one of {ok}")
 
@@ -155,8 +155,10 @@ def accuracy(model: nn.Module, data: TensorDataset, device: torch.device,
 
 
 def train_reference(seed: int = SEED, epochs: int = EPOCHS, data: Data | None = None,
-                    device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
+                    device: torch.device = torch.device("cpu"),
+                    steps: int | None = None) -> dict[str, torch.Tensor]:
     """Lesson 01's training loop, condensed: the single-device answer other lessons compare to.
+    steps: only each epoch's first `steps` global batches (the exercise checks' short runs).
 
     tests/test_lesson_01.py checks that lesson 01 ends with exactly these weights.
     """
@@ -166,18 +168,19 @@ def train_reference(seed: int = SEED, epochs: int = EPOCHS, data: Data | None = 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _train_reference(seed, epochs, data, device)
+        return _train_reference(seed, epochs, data, device, steps)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_reference(seed: int, epochs: int, data: Data, device: torch.device) -> dict[str, torch.Tensor]:
+def _train_reference(seed: int, epochs: int, data: Data, device: torch.device,
+                     steps: int | None) -> dict[str, torch.Tensor]:
     model = make_model(seed, data.in_features, data.classes).to(device)
     optimizer = make_optimizer(model)
     x_all, y_all = data.train.tensors
     for epoch in range(epochs):
         order = torch.tensor(epoch_order(len(y_all), seed, epoch))
-        for start in range(0, len(order), GLOBAL_BATCH):
+        for start in range(0, len(order), GLOBAL_BATCH)[:steps]:
             idx = order[start:start + GLOBAL_BATCH]
             x, y = x_all[idx].to(device), y_all[idx].to(device)
             loss = F.cross_entropy(model(x), y)
