@@ -114,7 +114,7 @@ class CommLog:
                 setattr(dist, name, fn)
 
     def _wrap(self, name: str, fn):
-        signature = inspect.signature(fn)
+        signature = _signature(fn)
         what, share = RING[name]
 
         def logged(*args, **kwargs):
@@ -157,6 +157,28 @@ class CommLog:
         finally:
             for h in handles:
                 h.remove()
+
+    @contextmanager
+    def backwards(self, first: torch.Tensor):
+        """Mark every backward pass as backward() does, in a loop you cannot edit (a learner's):
+        one starts when `first` gets its gradient (pick the one backward reaches first, the
+        last layer's bias) and ends when autograd has finished it, DDP's waiting included."""
+        from torch.autograd import Variable
+
+        def started(_param):
+            now = time.perf_counter()
+            window = [now, now, now]
+            self.windows.append(window)
+
+            def ended():  # an autograd callback: runs once this backward is complete
+                window[1] = window[2] = time.perf_counter()
+            Variable._execution_engine.queue_callback(ended)
+
+        handle = first.register_post_accumulate_grad_hook(started)
+        try:
+            yield self
+        finally:
+            handle.remove()
 
     @contextmanager
     def backward(self):
@@ -253,7 +275,8 @@ def table_rows(results: dict) -> list[list[str]]:
 
 def counted_ddp(model: torch.nn.Module, **ddp_kwargs):
     """torch's DistributedDataParallel around `model` (on its GPU, if it is on one), with its
-    buckets routed through dist.all_reduce so that CommLog sees them."""
+    buckets routed through dist.all_reduce so that CommLog sees them (lesson 08's counter, and
+    bench/measure.py's)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     device = next(model.parameters()).device
@@ -270,7 +293,19 @@ def route_ddp_through_python(ddp_model) -> None:
     Register it before the first backward (DDP refuses a hook after that).
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    ddp_model.register_comm_hook(None, allreduce_hook)  # state None: the default group
+    # its state is the group to all-reduce over: DDP's own (the default group, unless DDP
+    # was given a process_group)
+    ddp_model.register_comm_hook(ddp_model.process_group, allreduce_hook)
+
+
+_SIGNATURES: dict = {}
+
+
+def _signature(fn) -> inspect.Signature:
+    """inspect.signature, once per function: recording() may start and stop every step."""
+    if fn not in _SIGNATURES:
+        _SIGNATURES[fn] = inspect.signature(fn)
+    return _SIGNATURES[fn]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
