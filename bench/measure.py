@@ -1,13 +1,17 @@
 """What every rank of the benchmark runs. bench/run.py starts the ranks and reads the results.
 
-One mp.spawn starts all CPU ranks once (starting Python and importing torch costs seconds
-per process, so the suite does it once, not once per benchmark). Each benchmark then runs
+One start (apparatus/ranks.py's run_ranks, the package's one way to start N ranks) brings up
+all CPU ranks once (starting a process that imports torch costs seconds, so the suite does it
+once, not once per benchmark). Each benchmark then runs
 on a *subgroup* of the first n ranks; the other ranks wait at a barrier, which sleeps in
 the kernel and costs no CPU time, so it does not disturb the ranks that measure.
 
 Timing rule, everywhere: synchronise, meet at a barrier, start the clock, run a window of
 work, synchronise, stop the clock. A window of a multi-rank benchmark takes as long as its
 slowest rank, so every rank's time goes through an all-reduce with MAX.
+
+DDP's all-reduce calls and bytes are counted by apparatus/comm.py (counted_ddp + CommLog, the
+package's one counter); deferred_hook below is not a counter but a different schedule.
 """
 from __future__ import annotations
 
@@ -15,7 +19,6 @@ import datetime
 import gc
 import importlib.util
 import itertools
-import json
 import statistics
 import time
 from contextlib import nullcontext
@@ -24,14 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from apparatus.comm import CommLog, counted_ddp
+from apparatus.ui import UI
 from common import recipe
 from common.cli import ROOT
-from common.distributed import env_store
-from apparatus.results import atomic_write
-from apparatus.ui import UI
+from common.distributed import env_store  # gpu_worker's group (MASTER_*: set by run_ranks)
 
 FLOAT_BYTES = 4
 MIB = 1024 * 1024
@@ -100,32 +102,18 @@ def param_bytes(model: nn.Module) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------
-# DDP communication hooks: count every all-reduce, or hold them all until backward ends
+# A DDP communication hook that holds every bucket until backward ends (no overlap)
 # ---------------------------------------------------------------------------------------
 
 class HookState:
-    """A comm hook's state: the group, and every bucket it was handed."""
+    """deferred_hook's state: the group, and the buckets it holds until the last one."""
 
     def __init__(self, group):
         self.group = group
-        self.calls = 0
-        self.bytes = 0
         self.held: list[torch.Tensor] = []
 
-    def reset(self) -> None:
-        self.calls, self.bytes = 0, 0
 
-
-def counting_hook(state, bucket):  # no annotations: DDP checks them, and ours are strings
-    """DDP calls this once per bucket, as soon as the bucket's gradients are all ready:
-    count it, then do exactly what DDP does without a hook (PyTorch's allreduce_hook)."""
-    buf = bucket.buffer()
-    state.calls += 1
-    state.bytes += buf.numel() * buf.element_size()
-    return allreduce_hook(state.group, bucket)
-
-
-def deferred_hook(state, bucket):
+def deferred_hook(state, bucket):  # no annotations: DDP checks them, and ours are strings
     """Same buckets and calls, but *no overlap*: every bucket waits for the last one.
 
     DDP hands buckets over in order, the last one when the final gradient of backward is
@@ -137,11 +125,10 @@ def deferred_hook(state, bucket):
     The held buckets are all-reduced the way the overlapping case does it: every one
     launched asynchronously (gloo may run several at once), then all waited for. A loop
     of blocking all-reduces would be slower for that reason alone, and the comparison
-    would measure the launch style instead of the timing relative to backward.
+    would measure the launch style instead of the timing relative to backward. Each goes
+    through dist.all_reduce, so CommLog counts them as it counts allreduce_hook's.
     """
     buf = bucket.buffer()
-    state.calls += 1
-    state.bytes += buf.numel() * buf.element_size()
     state.held.append(buf)
     if bucket.is_last():
         size = dist.get_world_size(state.group)
@@ -159,12 +146,20 @@ def deferred_hook(state, bucket):
 
 def wrap_ddp(model: nn.Module, group, device: torch.device, cap_mb: float | None = None,
              hook=None, state: HookState | None = None) -> DDP:
+    """DDP on `group`: torch's own C++ path, or with `hook` (deferred_hook)."""
     kwargs = {} if cap_mb is None else {"bucket_cap_mb": cap_mb}
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               process_group=group, **kwargs)
     if hook is not None:
         ddp.register_comm_hook(state, hook)  # must come before the first backward
     return ddp
+
+
+def wrap_counted(model: nn.Module, group, cap_mb: float | None = None) -> DDP:
+    """DDP on `group` with every bucket through PyTorch's allreduce_hook, exactly what DDP
+    does without a hook, where CommLog counts it (apparatus/comm.py's counted_ddp)."""
+    return counted_ddp(model, process_group=group,
+                       **({} if cap_mb is None else {"bucket_cap_mb": cap_mb}))
 
 
 def expected_buckets(model: nn.Module, cap_mb: float | None) -> int:
@@ -309,8 +304,8 @@ def bucketing(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
     rows = []
     for cap, overlap in runs:
         model = deep_mlp(cfg["hidden"], cfg["layers"]).to(device)
-        state = HookState(group)
-        ddp = wrap_ddp(model, group, device, cap, counting_hook if overlap else deferred_hook, state)
+        ddp = (wrap_counted(model, group, cap) if overlap else
+               wrap_ddp(model, group, device, cap, deferred_hook, HookState(group)))
         optimizer = recipe.make_optimizer(ddp)
         feed = itertools.cycle(batches)
 
@@ -320,18 +315,21 @@ def bucketing(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
                 train_step(ddp, optimizer, x, y)
 
         # DDP's first backward uses one bucket for everything, then it rebuilds them: at
-        # least one warm-up window, and count only after it
+        # least one warm-up window, and count only after it, in one more untimed window
+        # (counting costs a little, so the timed windows do not count)
         for _ in range(max(1, ctx.plan["warmup"])):
             window()
-        state.reset()
+        log = CommLog()
+        with log.recording():
+            window()
+        counted = log.summary(steps)  # per backward
         times = ctx.timed(window, n, warmup=0)
-        backwards = ctx.plan["reps"] * steps
         rows.append({
             "bucket_cap_mb": cap, "overlap": overlap, "world_size": n,
             "buckets_expected": expected_buckets(model, cap),
             "bucket_sizes_bytes": ddp_bucket_sizes(ddp),
-            "calls_per_backward": state.calls / backwards,
-            "bytes_per_backward": state.bytes / backwards,
+            "calls_per_backward": counted["calls_per_step"],
+            "bytes_per_backward": counted["data_bytes_per_step"],
             "samples_per_s": summary([steps * global_batch / t for t in times]),
             "step_ms": summary([t / steps * 1e3 for t in times]),
             "rank_spread": rank_spread(model, ctx.ctl[n]),
@@ -353,8 +351,7 @@ def no_sync(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
                          for x, y in rank_batches(global_batch, n, rank, device)]
         for method in ("naive", "no_sync"):
             model = recipe_mlp(setup["hidden"]).to(device)
-            state = HookState(group)
-            ddp = wrap_ddp(model, group, device, None, counting_hook, state)
+            ddp = wrap_counted(model, group)
             optimizer = recipe.make_optimizer(ddp)
             feed = itertools.cycle(micro_batches)
 
@@ -372,16 +369,18 @@ def no_sync(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
 
             for _ in range(max(1, ctx.plan["warmup"])):  # see bucketing()
                 window()
-            state.reset()
+            log = CommLog()
+            with log.recording():  # one more untimed window, counted
+                window()
+            counted = log.summary(steps)  # per optimizer step
             times = ctx.timed(window, n, warmup=0)
-            optimizer_steps = ctx.plan["reps"] * steps
             rows.append({
                 "config": setup["name"], "method": method, "world_size": n, "accum": accum,
                 "hidden": setup["hidden"], "global_batch": global_batch,
                 "micro_batch": global_batch // (n * accum), "steps_per_rep": steps,
                 "step_ms": summary([t / steps * 1e3 for t in times]),
-                "calls_per_step": state.calls / optimizer_steps,
-                "bytes_per_step": state.bytes / optimizer_steps,
+                "calls_per_step": counted["calls_per_step"],
+                "bytes_per_step": counted["data_bytes_per_step"],
                 "rank_spread": rank_spread(model, ctx.ctl[n]),
             })
             del ddp, optimizer, model, window
@@ -527,19 +526,13 @@ def _groups(ctx: Ctx, sizes: set[int], backend: str, timeout: datetime.timedelta
             list(range(n)), backend=backend, timeout=timeout)
 
 
-def _save(path: str, results: dict) -> None:
-    text = json.dumps(results, indent=1) + "\n"
-    atomic_write(path, lambda f: f.write(text.encode()))
-
-
-def cpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
-    """One CPU rank: every benchmark of the plan, in order, each on ranks 0..n-1."""
-    torch.set_num_threads(plan["threads_per_rank"])  # explicit: no rank takes every core
+def cpu_worker(rank: int, world: int, plan: dict) -> dict | None:
+    """One CPU rank: every benchmark of the plan, in order, each on ranks 0..n-1; rank 0
+    returns the rows. bench/run.py starts it in a gloo group with the plan's timeout and
+    plan["threads_per_rank"] torch threads (explicit: no rank takes every core)."""
     device = torch.device("cpu")
     ctx = Ctx(rank, world, plan, device)
     timeout = datetime.timedelta(seconds=plan["timeout"])
-    dist.init_process_group("gloo", store=env_store(rank, world, plan["timeout"]), rank=rank,
-                            world_size=world, timeout=timeout)  # a store on MASTER_ADDR only
     # Waiting ranks meet here; its timeout is long because a benchmark on the other ranks
     # may take minutes on a busy machine. The benchmarks' own groups keep --timeout.
     lobby = dist.new_group(list(range(world)), backend="gloo",
@@ -557,16 +550,14 @@ def cpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
                 rows = {"scaling": scaling, "bucketing": bucketing, "no_sync": no_sync}[kind](ctx, n, cfg)
             if rank == 0:
                 results[kind] += rows
-                _save(result_path, results)
                 ctx.ui.print(progress_line(kind, n, rows, time.perf_counter() - started))
         dist.barrier(group=lobby)
-    gc.collect()
-    dist.destroy_process_group()
+    return results if rank == 0 else None
 
 
-def gpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
-    """One GPU rank (NCCL): DDP scaling, then DataParallel and NCCL's all-reduce."""
-    torch.set_num_threads(plan["threads_per_rank"])
+def gpu_worker(rank: int, world: int, plan: dict) -> dict | None:
+    """One GPU rank (NCCL): DDP scaling, then DataParallel and NCCL's all-reduce; rank 0
+    returns the rows. It joins its NCCL group itself (bench/run.py starts it without one)."""
     cfg = plan["gpu"]
     # "cpu" only to rehearse this code path on a machine without GPUs (gloo instead of NCCL)
     cuda = cfg.get("device_type", "cuda") == "cuda"
@@ -590,7 +581,6 @@ def gpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
             rows = scaling(ctx, n, cfg)
             if rank == 0:
                 results["scaling"] += rows
-                _save(result_path, results)
                 ctx.ui.print(progress_line("gpu scaling", n, rows, time.perf_counter() - started))
         dist.barrier(group=lobby)
     if world >= 2:
@@ -601,23 +591,19 @@ def gpu_worker(rank: int, world: int, plan: dict, result_path: str) -> None:
                 rows = measure_fn(ctx, 2, cfg[kind])
                 if rank == 0:
                     results[kind] = rows
-                    _save(result_path, results)
                     ctx.ui.print(progress_line(f"gpu {kind}", 2, rows,
                                                time.perf_counter() - started))
             dist.barrier(group=lobby)
         if rank == 0:
             results["dataparallel"].append(dataparallel(ctx, cfg, world))
-            _save(result_path, results)
             ctx.ui.print(f"  gpu DataParallel on {world} GPUs: "
                          f"{results['dataparallel'][0]['samples_per_s']['median']:,.0f} samples/s")
         dist.barrier(group=lobby)
         rows = nccl_allreduce(ctx, world, cfg)
         if rank == 0:
             results["allreduce"] = rows
-            _save(result_path, results)
         dist.barrier(group=lobby)
-    gc.collect()
-    dist.destroy_process_group()
+    return results if rank == 0 else None
 
 
 def nccl_allreduce(ctx: Ctx, n: int, cfg: dict) -> list[dict]:

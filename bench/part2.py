@@ -10,16 +10,15 @@
     pipeline  lesson 18's four schedules on 2 ranks: time per step beside the idle share the
               schedule's own timeline predicts (apparatus/pipeline.py)
 
-The ranks start the suite's one way (bench/run.py spawn_ranks); this world is the whole job, so
+The ranks start the suite's one way (bench/run.py spawn_ranks, which is apparatus/ranks.py's
+run_ranks); this world is the whole job, so
 the lessons' code, which uses the default group, runs as the lessons run it. The model, the
 layers that split it and the schedules are the lessons' own, imported and not copied.
 """
 from __future__ import annotations
 
-import datetime
 import gc
 import importlib.util
-import json
 import time
 import warnings
 
@@ -34,8 +33,6 @@ from apparatus.pipeline import Recorder, bubble_formula, idle_fraction, timeline
 from bench.measure import Ctx, summary
 from common import transformer as T
 from common.cli import ROOT
-from common.distributed import env_store
-from apparatus.results import atomic_write
 
 BENCHMARKS = ["fsdp", "tp", "pipeline"]
 STRATEGIES = ["ddp", "fsdp-zero3", "fsdp-zero2"]
@@ -264,15 +261,12 @@ def pipeline(ctx: Ctx, n: int, cfg: dict, lesson) -> dict:
 # The processes
 # ---------------------------------------------------------------------------------------
 
-def worker(rank: int, world: int, plan: dict, result_path: str) -> None:
-    """One CPU rank of a world of 1 or 2: the Part 2 benchmarks that need this world size."""
-    torch.set_num_threads(plan["threads_per_rank"])
+def worker(rank: int, world: int, plan: dict) -> dict | None:
+    """One CPU rank of a world of 1 or 2: the Part 2 benchmarks that need this world size;
+    rank 0 returns the sections. bench/run.py starts it in a gloo group (the plan's timeout)."""
     # FSDP2 warns that the root returns a view; the loss reads it out of place, as lesson 15
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     ctx = Ctx(rank, world, plan, torch.device("cpu"))
-    timeout = datetime.timedelta(seconds=plan["timeout"])
-    dist.init_process_group("gloo", store=env_store(rank, world, plan["timeout"]), rank=rank,
-                            world_size=world, timeout=timeout)
     ctx.ctl[world] = ctx.work[world] = dist.group.WORLD
     p2, wanted = plan["part2"], plan["benchmarks"]
     results: dict = {}
@@ -284,11 +278,7 @@ def worker(rank: int, world: int, plan: dict, result_path: str) -> None:
     if world == 2 and "pipeline" in wanted:
         results["pipeline"] = pipeline(ctx, world, p2["pipeline"],
                                        load_lesson("18", ("build_pipeline",)))
-    if rank == 0:
-        text = json.dumps(results, indent=1) + "\n"
-        atomic_write(result_path, lambda f: f.write(text.encode()))
-    gc.collect()
-    dist.destroy_process_group()
+    return results if rank == 0 else None
 
 
 def run(plan: dict, spawn_ranks, ui) -> dict:

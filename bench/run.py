@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import datetime
 import json
-import logging
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `import commo
 import torch
 
 from common.cli import ROOT, LessonParser, fail, positive_float, positive_int, run
-from common.distributed import free_port, spawn
+from apparatus.processes import supervise
+from apparatus.ranks import RankFailed, run_ranks
 from apparatus.results import atomic_write, shown
 from apparatus.ui import UI
 
@@ -147,19 +146,24 @@ def load_average() -> list[float] | None:
         return None
 
 
-def spawn_ranks(worker, world: int, plan: dict) -> dict:
-    """Start `world` ranks on a free local port; rank 0 leaves its results in a file."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    # after a failure mp.spawn logs one warning per rank it stops; our one-line error
-    # from spawn() says the same
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-        path = os.path.join(tmp, "ranks.json")
-        spawn(worker, (world, plan, path), world)
-        if not os.path.exists(path):
-            fail("the benchmark ranks exited without writing their results", code=1)
-        return json.loads(Path(path).read_text())
+def spawn_ranks(worker, world: int, plan: dict, backend: str | None = "gloo") -> dict:
+    """worker(rank, world, plan) on `world` new ranks in a `backend` group (None: the worker
+    joins one itself) with apparatus/ranks.py's run_ranks, the package's one way to start
+    ranks: what rank 0 returned. A failing rank is one line."""
+    try:
+        with supervise():  # Ctrl-C, SIGTERM, SIGHUP: every rank stopped, then one line
+            got = run_ranks(worker, world, (plan,), timeout_s=None, backend=backend,
+                            group_timeout_s=plan["timeout"], threads=plan["threads_per_rank"])
+    except RankFailed as failed:
+        if failed.error == "SystemExit" and failed.code in (1, 2):
+            # the rank already printed its own one-line error (common.cli.fail)
+            fail(f"rank {failed.rank} exited with code {failed.code}; the other ranks were "
+                 f"stopped", code=failed.code)
+        fail(f"{failed}; the other ranks were stopped", code=1)
+    if got[0] is None:
+        fail("the benchmark ranks exited without writing their results", code=1)
+    # through JSON, as results.json will hold them (tuples become lists, keys strings)
+    return json.loads(json.dumps(got[0]))
 
 
 def derive_scaling(rows: list[dict], cpus: int, threads: int) -> dict:
@@ -340,7 +344,7 @@ def main() -> None:
             gpu_plan = {**plan, "gpu": cfg}
             ui.print(f"starting {gpus} GPU ranks (NCCL)")
             try:
-                got = spawn_ranks(measure.gpu_worker, gpus, gpu_plan)
+                got = spawn_ranks(measure.gpu_worker, gpus, gpu_plan, backend=None)  # NCCL: its own
             except SystemExit as exc:  # keep the CPU results; the error line is printed above
                 gpu_failed = f"the GPU ranks failed (exit code {exc.code}); see the error above"
                 bench["gpu"] = {"failed": gpu_failed}

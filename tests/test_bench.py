@@ -4,7 +4,6 @@ well-formed and plausible, and docs/PERFORMANCE.md can be generated from it.
 Speedup thresholds (2 ranks >= 1.6x one rank) are not asserted: they depend on the machine
 and on what else runs on it. Counts and bytes do not, so those are checked exactly.
 """
-import datetime
 import json
 import math
 import os
@@ -14,7 +13,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from conftest import ROOT, one_error_line, run
 
@@ -274,16 +272,12 @@ def test_mistakes_get_one_line():
 # The hand-written hook behind "overlap: no" gives DDP's own gradients
 # ---------------------------------------------------------------------------------------
 
-def _compare_hooks(rank: int, port: int) -> None:
-    sys.path.insert(0, str(ROOT))
+def _compare_hooks(rank: int, world: int) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from apparatus.comm import CommLog
     from bench import measure
 
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
     g = torch.Generator().manual_seed(rank)  # each rank its own data
     x, y = torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)
     grads = {}
@@ -291,18 +285,21 @@ def _compare_hooks(rank: int, port: int) -> None:
         model = measure.deep_mlp(64, 3)
         if name == "default":
             ddp = DDP(model, bucket_cap_mb=0.01)
+        elif name == "counting":  # PyTorch's allreduce_hook, counted by apparatus/comm.py
+            ddp = measure.wrap_counted(model, None, 0.01)
         else:
             state = measure.HookState(None)
-            hook = measure.counting_hook if name == "counting" else measure.deferred_hook
-            ddp = measure.wrap_ddp(model, None, torch.device("cpu"), 0.01, hook, state)
+            ddp = measure.wrap_ddp(model, None, torch.device("cpu"), 0.01, measure.deferred_hook,
+                                   state)
         for _ in range(2):  # the second backward uses the rebuilt buckets
             model.zero_grad(set_to_none=True)
-            if name != "default":
-                state.reset()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            log = CommLog()
+            with log.recording():
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
         grads[name] = [p.grad.clone() for p in model.parameters()]
-        if name != "default":
-            assert state.calls == measure.expected_buckets(model, 0.01) > 2
+        if name != "default":  # one all-reduce per bucket, each counted by CommLog
+            assert len(log.calls) == measure.expected_buckets(model, 0.01) > 2
+        if name == "deferred":
             assert not state.held
         del ddp
     for name in ("counting", "deferred"):
@@ -310,22 +307,12 @@ def _compare_hooks(rank: int, port: int) -> None:
             torch.testing.assert_close(a, b)
     dist.barrier()
     del model
-    import gc
-    gc.collect()
-    dist.destroy_process_group()
 
 
 def test_deferred_hook_gives_ddps_gradients():
-    from common.distributed import free_port
+    from apparatus.ranks import run_ranks
 
-    ctx = mp.start_processes(_compare_hooks, args=(free_port(),), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=120)
-    while not ctx.join(timeout=5):
-        if datetime.datetime.now() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the two ranks did not finish within 120 s")
+    run_ranks(_compare_hooks, 2, timeout_s=120, group_timeout_s=60)  # a failing rank: RankFailed
 
 
 # ---------------------------------------------------------------------------------------
