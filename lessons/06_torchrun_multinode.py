@@ -1,22 +1,21 @@
 """Lesson 06: torchrun and several machines (nodes), simulated on one.
 
-New since lesson 05: the script no longer starts its own processes. A launcher, torchrun,
-starts them (one torchrun *agent* per machine, N workers per agent) and tells each worker
-who it is through environment variables: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT. The same file runs unchanged on one laptop, on two simulated
-nodes, or on real machines; and under plain `python` it is a world of one.
+Parent: lesson 05 (lessons/05_ddp_spawn.py)
+
+New since lesson 05: a launcher, torchrun, starts the processes (one *agent* per machine,
+N workers each) and tells each worker who it is in environment variables. The rest is
+lesson 05: several processes train one model together. Each process (a *rank*)
+holds a full copy of the model, reads its own slice of every global batch through
+DistributedSampler, and DDP averages the gradients across ranks during backward, so all
+copies take the same optimizer step. The result: the same weights as lesson 01, computed
+by N processes. This lesson proves that with numbers, and writes every API out in full.
 
 Run:
-    make lesson-06     # two torchrun agents on 127.0.0.1, 2 workers each = 4 ranks
-    .venv/bin/python tools/nodes.py --nnodes 2 --nproc-per-node 2 -- lessons/06_torchrun_multinode.py
+    make lesson-06                          # 2 simulated nodes (torchrun agents) x 2 workers
     .venv/bin/torchrun --standalone --nproc-per-node 3 lessons/06_torchrun_multinode.py
-    .venv/bin/python lessons/06_torchrun_multinode.py        # a world of one
+    .venv/bin/python lessons/06_torchrun_multinode.py --epochs 3     # a world of one
 
-    On two real machines (A is 10.0.0.1), see the doc for firewall and interface notes:
-    A$ .venv/bin/torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29500 lessons/06_torchrun_multinode.py
-    B$ .venv/bin/torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 10.0.0.1 --master-port 29500 lessons/06_torchrun_multinode.py
-
-Doc: docs/06_torchrun_multinode.md
+Doc: docs/06_torchrun_multinode.md (also: two real machines, Slurm, networks)
 """
 import datetime
 import gc
@@ -35,140 +34,223 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import recipe
-from common.cli import lesson_parser, nonnegative_int, run
+from common.cli import fail, lesson_parser, nonnegative_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
-from common.distributed import die_with_parent, env_store, free_port
-from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
+from common.distributed import die_with_parent, env_store, free_port, say_each
+from apparatus.results import (claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown,
+                            timed_single_process)
 from apparatus.ui import UI, Timer
 
+# More ranks than this on one machine teach nothing but waiting; and each rank is a whole
+# Python process with torch loaded: about 0.4 GB of memory (PSS) each, measured here.
+MAX_WORLD = 16
 
-# @record writes this worker's exception to the file torchrun names in
-# TORCHELASTIC_ERROR_FILE, so torchrun's failure summary shows *our* error and traceback
-# instead of only "exit code 1". Without torchrun the error file is simply not written.
-@record
-def main() -> None:
+
+def parse_args():
     parser = lesson_parser(__doc__, distributed=True)
     parser.add_argument("--crash-rank", type=nonnegative_int, default=None,
-                        help="make this global rank raise an error during training")
-    parser.add_argument("--crash-at-step", type=nonnegative_int, default=3,
+                        help="make this rank raise an error during training (to see what happens)")
+    parser.add_argument("--crash-at-step", type=nonnegative_int, default=5,
                         help="the training step at which --crash-rank fails")
     args = parser.parse_args()
-    die_with_parent()  # if our torchrun agent is killed (even kill -9), we go too
+    n = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it (Step 1); plain python: 1
+    recipe.check_world_size(n, f"WORLD_SIZE={n}")
+    recipe.check_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), "--nproc-per-node", most=MAX_WORLD)
+    if args.crash_rank is not None and args.crash_rank >= n:
+        fail(f"--crash-rank {args.crash_rank} does not exist in a world of {n} (ranks 0..{n - 1})")
+    return args
 
+
+# @record: torchrun's failure summary shows our error and traceback, not only "exit code 1"
+@record
+def main() -> None:
+    args = parse_args()
     # Step 1: Read who we are from the environment
-    # torchrun sets these for every worker. (The old torch.distributed.launch passed
-    # --local_rank as a command-line argument instead; torchrun does not, so there is no
-    # argparse flag for it.) Under plain python none is set: we become a world of one.
+    # torchrun starts the workers, on every node, and sets these variables for each.
+    # One process per device is DDP's rule: with 2 GPUs, 2 processes each own one GPU; on a
+    # CPU-only machine the processes share the cores and talk over gloo. MASTER_ADDR and
+    # MASTER_PORT tell every process where the rendezvous *store* is, a small key-value
+    # server they use to find each other. Where our code hosts one, it listens on 127.0.0.1 only
+    # (a TCPStore of its own would listen on every interface), and holds the port until
+    # the job ends: a second job on the same port fails at once instead of joining ours.
     launched = "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
     rank = int(os.environ.get("RANK", 0))                  # 0 .. WORLD_SIZE-1, unique in the job
     local_rank = int(os.environ.get("LOCAL_RANK", 0))      # 0 .. LOCAL_WORLD_SIZE-1, on this node
     world_size = int(os.environ.get("WORLD_SIZE", 1))      # workers in the whole job
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # workers on this node
     node_rank = int(os.environ.get("GROUP_RANK", 0))       # which agent (node) started us
-    if not launched:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if not launched:  # plain python: a world of one, its store on 127.0.0.1 and a free port
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
     ui = UI(rank, world_size, step_mode=args.step)
     ui.title(f"Lesson 06: {world_size} workers on {world_size // local_world_size} node(s), "
              f"{'started by torchrun' if launched else 'plain python: a world of one'}")
     ui.step(1, "Read who we are from the environment")
-    recipe.check_world_size(world_size, f"WORLD_SIZE={world_size}")
-    ui.print(f"MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']} "
-             f"WORLD_SIZE={world_size} LOCAL_WORLD_SIZE={local_world_size}")
-    if rank == 0:
-        folder = claim_out(out_dir("06", args.out))  # checked now, not after training
-
-    # Step 2: Join the process group
-    # Same call as lesson 05, but rank, world size and the store's address now come from
-    # the environment. env_store makes the store init_method="env://" would make (torchrun's
-    # agent hosts it, or rank 0 does), bound to MASTER_ADDR only. One GPU per local rank.
-    ui.step(2, "Join the process group")
-    kind, note = plan_device(args.device, local_world_size)
+    kind, note = plan_device(args.device, local_world_size)  # GPUs per *node* count
     if note:
         ui.print(f"[yellow]note:[/yellow] {note}")
-    device = rank_device(kind, local_rank)
-    backend = backend_for(device)
+    folder = claim_out(out_dir("06", args.out)) if rank == 0 else None  # only rank 0 writes
+    ui.print(f"MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']} "
+             f"WORLD_SIZE={world_size} LOCAL_WORLD_SIZE={local_world_size}")
+    die_with_parent()  # if the parent is killed (even kill -9), the kernel ends this rank too
+    share_cpu(local_world_size)  # each rank gets its share of this node's cores, not all of them
+
+    # Step 2: Join the process group
+    # Each rank joins the store at MASTER_ADDR:MASTER_PORT (env_store; under torchrun, each is
+    # a client), and init_process_group blocks until all `world_size` ranks have met there.
+    # The timeout bounds that wait *and* every later collective: a rank that never comes or
+    # never answers turns into an error after `timeout` instead of a frozen terminal.
+    # device_id (GPUs only) tells NCCL our device now, so it builds its communicator at once
+    # instead of guessing the device at the first collective.
+    ui.step(2, "Join the process group")
+    device = rank_device(kind, local_rank)  # cuda:<LOCAL_RANK> (node 1 counts from 0 too), or the CPU
+    backend = backend_for(device)     # nccl for GPUs, gloo for CPU tensors
     if device.type == "cuda":
-        torch.cuda.set_device(device)
-    share_cpu(local_world_size)
-    dist.init_process_group(backend=backend, store=env_store(rank, world_size, args.timeout),
-                            rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout),
-                            device_id=device if device.type == "cuda" else None)
+        torch.cuda.set_device(device)  # so that NCCL and `cuda` without an index mean our GPU
+    timeout = datetime.timedelta(seconds=args.timeout)
+    store = env_store(rank, world_size, args.timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=device if device.type == "cuda" else None)
 
     # Step 3: See which rank lives on which node
-    # Global rank = node_rank * nproc_per_node + local_rank with static rendezvous. Every
-    # worker reports itself; rank 0 prints the map. LOCAL_RANK picks the GPU, RANK picks
-    # the data shard and decides who logs and saves.
+    # Every worker reports itself; rank 0 prints the map. RANK, not LOCAL_RANK, picks the shard:
+    # Each rank reads a different 1/N of every epoch: positions rank, rank+N, rank+2N, ...
+    # of one shuffled order. shuffle=True belongs to the *sampler* (a DataLoader with a
+    # sampler must not shuffle too), and the per-rank batch is the global batch / N, so one
+    # step of N ranks sees exactly the 96 samples of one step of lesson 01.
     ui.step(3, "See which rank lives on which node")
     me = [rank, node_rank, local_rank, socket.gethostname(), os.getpid(), str(device), backend]
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, me)
-    ui.table("Ranks and nodes", ["rank", "node", "local rank", "host", "pid", "device", "backend"],
-             everyone)
-
-    # Step 4: Train with DDP
-    # Exactly lesson 05's loop: DistributedSampler by *global* rank, per-rank batch =
-    # global batch / WORLD_SIZE, set_epoch every epoch, DDP averaging the gradients.
-    ui.step(4, "Train with DDP")
+    ui.table("Ranks and nodes", ["rank", "node", "local rank", "host", "pid", "device", "backend"], everyone)
     data = recipe.load_data(args.dataset, args.data_dir, args.download)
     sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank,
                                  shuffle=True, seed=args.seed)
-    loader = DataLoader(data.train, batch_size=recipe.GLOBAL_BATCH // world_size, sampler=sampler)
+    per_rank = recipe.GLOBAL_BATCH // world_size
+    loader = DataLoader(data.train, batch_size=per_rank, sampler=sampler)
+    sampler.set_epoch(0)
+    first = list(sampler)[:per_rank]
+    ui.print(f"global batch {recipe.GLOBAL_BATCH} = {world_size} ranks x {per_rank} samples; "
+             f"{len(loader)} steps per epoch on every rank")
+    # say_each: rank 0 prints every rank's line in rank order (a barrier orders no output)
+    say_each(ui, f"my {len(sampler)} samples start with indices {first[:6]} ...")
+
+    # Step 4: Train with DDP: wrap the model
+    # Same seed on every rank gives the same initial weights; DDP also broadcasts rank 0's
+    # weights at construction, so the copies start identical either way. device_ids is for
+    # GPUs only (one device per process); on the CPU it stays None.
+    # find_unused_parameters=False (the default) is right here: every parameter gets a
+    # gradient every step. True would make DDP walk the autograd graph after each forward.
+    ui.step(4, "Train with DDP: wrap the model")
     model = recipe.make_model(args.seed, data.in_features, data.classes).to(device)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = recipe.make_optimizer(ddp_model)
+    keys = list(ddp_model.state_dict())
+    ui.print(f"the real model is ddp_model.module ({type(ddp_model.module).__name__}); "
+             f"DDP's state_dict keys carry a prefix: {keys[:2]} ...")
+
+    # Step 5: See that gradients are averaged
+    # Compute one batch's gradient twice: first *locally* (inside no_sync(), DDP does not
+    # communicate), then normally. DDP's gradient must equal the mean of all ranks' local
+    # gradients, on every rank. No optimizer step is taken: training below is unaffected.
+    ui.step(5, "See that gradients are averaged")
+    x, y = next(iter(loader))
+    x, y = x.to(device), y.to(device)
+    with ddp_model.no_sync():
+        F.cross_entropy(ddp_model(x), y).backward()
+    local = model.head.weight.grad.clone()
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    mean_of_locals = torch.stack(gathered).mean(0)
+    optimizer.zero_grad(set_to_none=True)
+    F.cross_entropy(ddp_model(x), y).backward()  # the all-reduce happens during this backward
+    synced = model.head.weight.grad
+    gap = (synced - mean_of_locals).abs().max().item()
+    say_each(ui, f"head.weight.grad[0,:3] local {fmt(local[0, :3])}\n"
+                 f"  after DDP {fmt(synced[0, :3])}\n  |DDP - mean of all ranks' local| = {gap:.1e}")
+    torch.testing.assert_close(synced, mean_of_locals)
+    optimizer.zero_grad(set_to_none=True)
+
+    # Step 6: Train
+    # The loop is lesson 01's, plus sampler.set_epoch(epoch): without it every epoch would
+    # replay epoch 0's order. The loss each rank sees is its local batch's; the global
+    # batch's loss is their average over ranks. We keep each step's loss on the device and
+    # average them every `log_every` steps in one all-reduce: `.item()` makes the CPU wait
+    # for the GPU to finish, and once per step that wait would stall the pipeline.
+    ui.step(6, "Train")
     losses: list[float] = []
-    pending: list[torch.Tensor] = []  # losses since the last log, still on the device (lesson 05)
+    pending: list[torch.Tensor] = []  # this rank's losses since the last log, not yet synced
     steps = args.epochs * len(loader)
+    log_every = max(1, len(loader) // 4)
     timer = Timer()
     with ui.progress(steps, f"training on {world_size} ranks") as bar:
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             for x, y in loader:
-                if rank == args.crash_rank and len(losses) + len(pending) == args.crash_at_step:
-                    raise RuntimeError(f"deliberate crash of rank {rank} (--crash-rank)")
+                done = len(losses) + len(pending)
+                if rank == args.crash_rank and done == args.crash_at_step:
+                    raise RuntimeError(f"deliberate crash of rank {rank} at step {done} "
+                                       f"(--crash-rank)")
                 x, y = x.to(device), y.to(device)
                 loss = F.cross_entropy(ddp_model(x), y)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                loss.backward()       # DDP all-reduces gradients, bucket by bucket, in here
+                optimizer.step()      # identical gradients -> identical steps on every rank
                 pending.append(loss.detach())
                 bar.advance()
-                if (len(losses) + len(pending)) % len(loader) == 0:  # once per epoch
+                if (len(losses) + len(pending)) % log_every == 0 or done + 1 == steps:
                     chunk = torch.stack(pending)
-                    dist.all_reduce(chunk)
-                    losses += (chunk / world_size).tolist()
+                    dist.all_reduce(chunk)  # SUM over ranks (the default op), then divide
+                    losses += (chunk / world_size).tolist()  # the one host sync per log line
                     pending = []
                     ui.log(epoch + 1, len(losses), steps, losses[-1],
                            timer.rate(len(losses) * recipe.GLOBAL_BATCH))
     wall = timer.seconds
 
-    # Step 5: Save on rank 0 and compare with one device
-    # Only global rank 0 writes, on node 0's disk. On real machines the other nodes have
-    # their own disks: a path that exists on node 0 may not exist on node 1.
-    ui.step(5, "Save on rank 0 and compare with one device")
+    # Step 7: Save on rank 0, then wait at a barrier
+    # All ranks hold the same weights, so one file is enough: rank 0 writes it. Every rank
+    # writing the same path would race. Nobody reads it back: node 1's disk has no such file.
+    ui.step(7, "Save on rank 0, then wait at a barrier")
+    weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
     if rank == 0:
-        weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        diff = max_abs_diff(weights, recipe.train_reference(args.seed, args.epochs, data))
-        accuracy = recipe.accuracy(model, data.test, device)
+        # Lesson 01's loop in this process, with as many threads as all ranks had together
+        # (or on this rank's GPU): the same weights, and a fair speed to compare with
+        threads = torch.get_num_threads() * world_size
+        reference, one_rate = timed_single_process(args.seed, args.epochs, data, device, threads)
+        diff = max_abs_diff(weights, reference)
+        accuracy = recipe.accuracy(ddp_model.module, data.test, device)
         save_results(folder, weights, make_metrics(
             lesson="06", world_size=world_size, backend=backend, device=str(device),
             losses=losses, final_accuracy=accuracy, wall_seconds=wall,
             samples=args.epochs * len(data.train), epochs=args.epochs, seed=args.seed,
-            dataset=data.name, nodes=world_size // local_world_size,
+            dataset=data.name, global_batch=recipe.GLOBAL_BATCH,
+            nodes=world_size // local_world_size,
             ranks=[{"rank": r[0], "node": r[1], "local_rank": r[2], "host": r[3]} for r in everyone],
-            max_abs_diff_vs_single_device=diff))
-        ui.print(f"test accuracy {accuracy:.1%}; wrote {shown(folder / 'final.pt')}")
-        ui.print(f"same weights as one device? max |w - w_lesson01| = [bold]{diff:.1e}[/bold]")
+            max_abs_diff_vs_single_device=diff, single_process_samples_per_second=round(one_rate, 1)))
+        ui.print(f"test accuracy {accuracy:.1%}; wrote {shown(folder / 'final.pt')} "
+                 f"and metrics.json")
+        ui.print(f"same weights as one device? max |w_ddp - w_lesson01| = [bold]{diff:.1e}[/bold] "
+                 + ("(yes: the only difference is float sums added in another order)" if diff <= 1e-4
+                    else "(NO: something differs from lesson 01's recipe)"))
+        rate = args.epochs * len(data.train) / wall
+        same = "on one GPU" if device.type == "cuda" else f"with the same {threads} threads"
+        ui.print(f"speed: {world_size} ranks {rate:,.0f} samples/s; one process {same} "
+                 f"{one_rate:,.0f} samples/s: DDP was {max(rate, one_rate) / min(rate, one_rate):.1f}x "
+                 f"{'faster' if rate > one_rate else 'slower'} in this run")
     dist.barrier()
 
-    # Step 6: Leave the process group
-    ui.step(6, "Leave the process group")
+    # Step 8: Leave the process group
+    # Free everything that holds the process group (the DDP model's reducer) and collect
+    # garbage *before* destroying the group. On torch 2.14.1 gloo otherwise aborts at exit
+    # now and then ("terminate called without an active exception").
+    ui.step(8, "Leave the process group")
     del ddp_model, model, optimizer
-    gc.collect()  # before destroy: see lesson 05, Step 8
+    gc.collect()
     dist.destroy_process_group()
-    ui.print("done")
+    ui.print("done: every rank left the process group cleanly")
+
+
+def fmt(t: torch.Tensor) -> str:
+    return "[" + ", ".join(f"{v:+.4f}" for v in t.tolist()) + "]"
 
 
 if __name__ == "__main__":
