@@ -13,6 +13,9 @@ One instrument for every Part 2 lesson that asks "how much did we communicate, a
             ...                                  # e.g. wait for the gradients' all-reduces
     print(log.summary(steps))                    # calls, bytes sent, overlap, per step
 
+`log.backwards(param)` marks the backward passes of a loop you cannot edit (exercise 08's
+check), as `log.backward()` marks one you can.
+
 Helpers built on it: record_training() runs and records a plain training loop through any
 wrapper; compare() does that for several wrappers on fresh models, and table_rows() with
 COLUMNS prints them (lesson 14's Step 10); counted_ddp() is torch's DDP, made visible.
@@ -162,7 +165,8 @@ class CommLog:
     def backwards(self, first: torch.Tensor):
         """Mark every backward pass as backward() does, in a loop you cannot edit (a learner's):
         one starts when `first` gets its gradient (pick the one backward reaches first, the
-        last layer's bias) and ends when autograd has finished it, DDP's waiting included."""
+        last layer's bias) and ends when autograd has run the whole graph (a final callback),
+        after every hook of that backward, DDP's bucket launches included."""
         from torch.autograd import Variable
 
         def started(_param):

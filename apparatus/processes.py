@@ -5,6 +5,10 @@ tools/nodes.py (not the lessons' idea, so it lives here).
   the kernel kills the rank too (Linux's parent-death signal).
 * `supervise`: around mp.spawn, Ctrl-C, SIGTERM and SIGHUP stop every rank *first*, then
   one line is printed and the job exits (130, 143, 129).
+
+Starting N ranks and getting their results back (the exercise checks, bench/, the tests) is
+apparatus/ranks.py's run_ranks, built on these: it needs common.distributed's loopback store,
+and common.distributed imports this module, so it lives in a module of its own.
 """
 from __future__ import annotations
 

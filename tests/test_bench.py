@@ -312,7 +312,7 @@ def _compare_hooks(rank: int, world: int) -> None:
 def test_deferred_hook_gives_ddps_gradients():
     from apparatus.ranks import run_ranks
 
-    run_ranks(_compare_hooks, 2, timeout_s=120, group_timeout_s=60)  # a failing rank: RankFailed
+    run_ranks(_compare_hooks, 2, timeout_s=120, group_timeout_s=60)  # raises if a rank fails
 
 
 # ---------------------------------------------------------------------------------------

@@ -137,7 +137,8 @@ def main(argv: list[str]) -> None:
     except KeyboardInterrupt as exc:  # Ctrl-C; SIGTERM or SIGHUP while ranks run
         from apparatus.processes import signal_name
         name, code = signal_name(exc)
-        fail(f"interrupted ({name}): the check was stopped, and every rank it had started", code=code)
+        fail(f"interrupted ({name}): the check was stopped, and every rank it had started",
+             code=code)
     print(f"ok: {message}")
 
 

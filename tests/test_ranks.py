@@ -1,0 +1,89 @@
+"""apparatus/ranks.py's run_ranks, the one way checks, bench and tests start N ranks: every
+rank's result, or the failing rank's error, within a timeout, and nothing left behind."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from apparatus.ranks import RankFailed, run_ranks
+from conftest import ROOT
+
+
+def _sum_of_ranks(rank: int, world: int, extra: int) -> dict:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)  # the ranks are in one group
+    return {"rank": rank, "sum": t.item() + extra, "world": dist.get_world_size()}
+
+
+def _misbehave(rank: int, world: int, how: str) -> None:
+    if rank == 1 and how == "raise":
+        raise ValueError("rank one   is\nwrong")
+    if rank == 1 and how == "die":
+        os._exit(3)
+    if how == "sleep":
+        time.sleep(60)
+
+
+def _print_pid_and_wait(rank: int, world: int) -> None:
+    os.write(1, f"pid {os.getpid()}\n".encode())  # one write: two ranks' lines never mix
+    time.sleep(120)
+
+
+def test_every_ranks_result_by_rank():
+    got = run_ranks(_sum_of_ranks, 3, (10,), timeout_s=120)
+    assert got == [{"rank": r, "sum": 13.0, "world": 3} for r in range(3)]
+
+
+@pytest.mark.parametrize("how", ["raise", "die", "sleep"])
+def test_the_failing_rank_is_named(how):
+    started = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_misbehave, 2, (how,), timeout_s=20 if how == "sleep" else 120)
+    f = failed.value
+    if how == "raise":
+        assert (f.kind, f.rank, f.error) == ("raised", 1, "ValueError")
+        assert f.text == "rank one   is\nwrong" and "rank one is wrong" in str(f)
+        assert any(file == __file__ for file, _ in f.frames)  # where it was raised
+    elif how == "die":
+        assert (f.kind, f.rank, f.code) == ("died", 1, 3)
+    else:
+        assert f.kind == "timeout" and "did not finish within 20s" in str(f)
+        assert time.monotonic() - started < 60  # the sleeping ranks were not waited for
+
+
+def test_a_parent_killed_with_sigkill_takes_its_ranks():
+    """The ranks are forked by multiprocessing's fork server: they must not outlive it, and
+    it must not outlive the process that called run_ranks."""
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+            "from apparatus.ranks import run_ranks\n"
+            "from test_ranks import _print_pid_and_wait\n"
+            "run_ranks(_print_pid_and_wait, 2, timeout_s=300)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(ROOT / "tests")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True)
+    try:
+        pids = [int(parent.stdout.readline().split()[1]) for _ in range(2)]
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not yet reaped
+            return f.read().split(")")[-1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)  # do not leave them to the next test
+    assert not left, f"ranks {left} outlived their killed parent"
