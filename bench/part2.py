@@ -310,7 +310,7 @@ def _kib(n: float) -> str:
 
 
 def _ms(s: dict) -> str:
-    from bench.report import spread
+    from bench.words import spread
     return spread(s)
 
 
@@ -355,7 +355,7 @@ def _row(rows, strategy, n):
 
 
 def fsdp_lines(sec: dict) -> list[str]:
-    from bench.doc import L, compare, order, real
+    from bench.words import L, compare, order, real
     rows, out = sec["rows"], []
     ddp1, ddp2 = _row(rows, "ddp", 1), _row(rows, "ddp", 2)
     z3, z2 = _row(rows, "fsdp-zero3", 2), _row(rows, "fsdp-zero2", 2)
@@ -432,7 +432,7 @@ def _name(r: dict) -> str:
 
 
 def tp_lines(sec: dict) -> list[str]:
-    from bench.doc import L, compare, order
+    from bench.words import L, compare, order
     rows, out = sec["rows"], []
     if not rows:
         return out
@@ -492,7 +492,7 @@ def tp_lines(sec: dict) -> list[str]:
 
 
 def pipeline_lines(sec: dict) -> list[str]:
-    from bench.doc import L, compare, order
+    from bench.words import L, compare, order
     rows, out = sec["rows"], []
     if not rows:
         return out
@@ -562,7 +562,7 @@ def pipeline_lines(sec: dict) -> list[str]:
 
 def sections(b: dict) -> list[str]:
     """Sections 6-8 of PERFORMANCE.md, in the language bench.doc is writing."""
-    from bench.doc import API, L, TEACHES, md_table
+    from bench.words import API, L, TEACHES, md_table
     out = []
     if "fsdp" in b:
         sec, m = b["fsdp"], b["fsdp"]["model"]

@@ -4,25 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.words import num, spread  # noqa: F401 (bench.doc and tests use report.num)
+
 INSTALL_HINT = ".venv/bin/pip install -r requirements-bench.txt"
 
 
 # ---------------------------------------------------------------------------------------
 # Formatting
 # ---------------------------------------------------------------------------------------
-
-def num(x: float) -> str:
-    """A number with 3 significant digits, thousands separated: 12,300 / 45.6 / 0.123."""
-    if x is None:
-        return "-"
-    if abs(x) >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.3g}"
-
-
-def spread(s: dict) -> str:
-    return f"{num(s['min'])} - {num(s['max'])}"
-
 
 def cap_label(cap) -> str:
     return "25 (default)" if cap is None else f"{cap:g}"

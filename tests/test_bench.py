@@ -339,14 +339,14 @@ def scaling_rows(one: float, same_cores: float, ddp: dict[int, float]) -> list[d
 
 def both(fn, *args) -> tuple[str, str]:
     """fn's sentences in English and in Chinese."""
-    from bench import doc
+    from bench.words import LANG
     out = []
     for lang in ("en", "zh"):
-        doc._lang = lang
+        LANG.current = lang
         try:
             out.append(" ".join(fn(*args)))
         finally:
-            doc._lang = "en"
+            LANG.current = "en"
     return out[0], out[1]
 
 
