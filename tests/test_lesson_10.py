@@ -1,15 +1,12 @@
 """Lesson 10: the hand-written all-reduces equal dist.all_reduce, and move exactly the bytes
 the formulas say; the lesson's table and its broken mode do what the doc claims."""
-import datetime
 import json
-import os
 import re
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from conftest import import_lesson, parse_error, run_with_line_times, lesson_path, one_error_line, run_lesson
 
@@ -33,14 +30,11 @@ def expected_ring_bytes(size: int, n: int, rank: int) -> tuple[int, int]:
 GROUPS = [[0, 1, 2, 3], [1, 2, 3], [0, 2]]  # group rank != global rank in the last two
 
 
-def check_groups(rank: int, port: int) -> None:
-    """One rank of a world of 4. For a world of 4 and the subgroups of 3 and 2 ranks: both
-    algorithms against dist.all_reduce, and every rank's bytes against the formulas."""
+def check_groups(rank: int, world: int) -> None:
+    """One rank of a world of 4 (run_ranks has joined the gloo group). For a world of 4 and
+    the subgroups of 3 and 2 ranks: both algorithms against dist.all_reduce, and every rank's
+    bytes against the formulas."""
     lesson = load_lesson()
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=30))
     groups = [dist.group.WORLD] + [dist.new_group(ranks) for ranks in GROUPS[1:]]
     for ranks, group in zip(GROUPS, groups):
         if rank not in ranks:
@@ -66,13 +60,12 @@ def check_groups(rank: int, port: int) -> None:
             if size % n == 0:  # the textbook formula, exactly, when N divides S
                 assert wire.sent == wire.received == 2 * (n - 1) * s // n
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def test_algorithms_equal_all_reduce_and_bytes_match_formulas():
     """Worlds of 4, 3 and 2 ranks (the last two as subgroups whose ranks are renumbered)."""
-    from common.distributed import free_port
-    mp.spawn(check_groups, args=(free_port(),), nprocs=4, join=True)
+    from apparatus.ranks import run_ranks
+    run_ranks(check_groups, 4, timeout_s=240, group_timeout_s=30)
 
 
 def test_ring_bytes_formula_helpers():

@@ -9,7 +9,6 @@ formulas (which its tests measure), ZeRO-1/2 by arithmetic, the pipeline's bytes
 and --plan's table in-process.
 """
 import math
-from pathlib import Path
 
 import pytest
 
@@ -132,20 +131,14 @@ def test_bad_flags_one_line(flags, words, monkeypatch, capsys):
     assert words in line, line
 
 
-def _pipeline_rank(rank: int, folder: str, m: int) -> None:
+def _pipeline_rank(rank: int, world: int, m: int) -> list:
     """Two pipeline stages of the recipe (embeddings + block 0 | block 1 + head), m micro-batches
     (GPipe order: every forward, then every backward), the bytes each stage sends counted by a
-    TorchDispatchMode on c10d's send op; written to folder/rank<r>.json."""
-    import datetime
-    import json
-
+    TorchDispatchMode on c10d's send op and returned (run_ranks has joined the gloo group)."""
     import torch
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
     sent = []
 
     class Count(TorchDispatchMode):
@@ -177,22 +170,17 @@ def _pipeline_rank(rank: int, folder: str, m: int) -> None:
                 h, loss = outs[i]
                 loss.backward()
                 dist.send(h.grad, 0)
-    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(sent))
-    dist.barrier()
-    dist.destroy_process_group()
+    return sent
 
 
-def test_pipeline_bytes_match_the_planner(tmp_path):
+def test_pipeline_bytes_match_the_planner():
     """Each stage of a 2-stage pipeline of the recipe sends one (b, s, h) tensor per micro-batch:
     activations forward (stage 0), their gradients backward (stage 1), as the planner counts."""
-    import json
-
-    import torch.multiprocessing as mp
+    from apparatus.ranks import run_ranks
 
     m = 4
-    mp.start_processes(_pipeline_rank, args=(str(tmp_path), m), nprocs=2, join=True, start_method="spawn")
+    per_rank = run_ranks(_pipeline_rank, 2, (m,), timeout_s=180, group_timeout_s=60)
     model = planner.Model(PSI, T.N_BLOCKS, T.DIM, T.SEQ, micro_batch=T.GLOBAL_BATCH // m, microbatches=m)
     formula = planner.comm(model, planner.Layout(pp=2), element=4)["pp"]
-    for rank in (0, 1):
-        sent = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, sent in enumerate(per_rank):
         assert len(sent) == m and sum(sent) == formula, (rank, sent, formula)
