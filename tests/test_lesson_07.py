@@ -87,8 +87,9 @@ def test_make_lesson_07_fails_once_restarts_and_resumes_exactly(tmp_path, refere
 
 
 def worker_pids(stdout_text):
-    """rank -> pid from the lesson's 'Workers of attempt N' table (the last one printed)."""
-    rows = re.findall(r"^│ (\d+)\s+│ \d+\s+│ \S+\s+│ (\d+)\s+│", stdout_text, re.M)
+    """rank -> pid from the lesson's 'Ranks and nodes' table (the last one printed):
+    rank | node | local rank | host | pid | ..."""
+    rows = re.findall(r"^│ (\d+)\s+│ \d+\s+│ \d+\s+│ \S+\s+│ (\d+)\s+│", stdout_text, re.M)
     return {int(rank): int(pid) for rank, pid in rows}
 
 
