@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from lesson_diff import changed_lines, lesson_file, parent_of  # noqa: E402
 
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
-SHAPED = {"01", "02", "03", "04", "08", "09", "10", "11", "12"}  # Part 1 lessons already within the limits
+SHAPED = {"01", "02", "03", "04", "06", "07", "08", "09", "10", "11", "12"}  # Part 1 lessons already within the limits
 
 
 def code_lines(source: str) -> int:
