@@ -174,7 +174,7 @@ def train_reference(seed: int = SEED, epochs: int = EPOCHS, data: Data | None = 
 
 
 def _train_reference(seed: int, epochs: int, data: Data, device: torch.device,
-                     steps: int | None) -> dict[str, torch.Tensor]:
+                     steps: int | None = None) -> dict[str, torch.Tensor]:
     model = make_model(seed, data.in_features, data.classes).to(device)
     optimizer = make_optimizer(model)
     x_all, y_all = data.train.tensors
