@@ -311,6 +311,10 @@ def main(argv: list[str]) -> None:
                 # `python -m torch.distributed.run` is what the `torchrun` script runs
                 env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra,
                        LOCK_ENV: str(folder.resolve())}  # we hold the lock for the ranks
+                # torchrun sets OMP_NUM_THREADS=1 when it is unset, with a 3-line banner per
+                # agent; set it the same way ourselves, quietly (the lessons then set their own
+                # thread count with torch.set_num_threads)
+                env.setdefault("OMP_NUM_THREADS", "1")
                 if not args.elastic:
                     env.update(agent_client_env(port))
                 if gpus_for is not None:
