@@ -227,7 +227,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     wall = timer.seconds
 
     # Step 7: Compare with naive accumulation and two mistakes
-    # Step 6's loop on fresh models, one thing changed each (apparatus/accumulation.py): no
+    # The loop of Step 6 on fresh models, one thing changed each (apparatus/accumulation.py): no
     # no_sync; no_sync around the forward only, or the backward only (DDP decides at
     # *forward* time whether backward syncs); no `/ accum`; a step after every micro-batch.
     ui.step(7, "Compare with naive accumulation and two mistakes")
