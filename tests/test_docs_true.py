@@ -19,7 +19,7 @@ DOCS = sorted((ROOT / "docs").glob("[0-9][0-9]_*.md"))
 OUTPUT = re.compile(r"<!-- output: (.+?) -->\n```text\n(.*?)```", re.S)
 BASH = re.compile(r"```bash\n(.*?)```", re.S)
 # Output blocks re-run by test 2: quick, and together they cover one- and multi-process output.
-RERUN = ["python lessons/01_single_device.py", "python lessons/05_ddp_spawn.py"]
+RERUN = [".venv/bin/python lessons/01_single_device.py", ".venv/bin/python lessons/05_ddp_spawn.py"]
 
 
 def commands(doc):

@@ -3,7 +3,7 @@
 A doc marks a block like this, and this script replaces the block's body with what the
 command prints today (run from the repository root, stdout not a terminal):
 
-    <!-- output: python lessons/01_single_device.py -->
+    <!-- output: .venv/bin/python lessons/01_single_device.py -->
     ```text
     ...
     ```
@@ -26,8 +26,7 @@ BLOCK = re.compile(r"(<!-- output: (?P<cmd>.+?) -->\n```text\n)(?P<body>.*?)(```
 
 
 def render(cmd: str, timeout: float = 300) -> str:
-    # python means the project's venv; a fixed width keeps tables the same on every machine
-    cmd = re.sub(r"^python ", f"{ROOT / '.venv/bin/python'} ", cmd)
+    # run as written (the reader may copy it); a fixed width keeps tables the same everywhere
     env = {**os.environ, "COLUMNS": "100", "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
     proc = subprocess.run(cmd, shell=True, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env, stdin=subprocess.DEVNULL)
