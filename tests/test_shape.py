@@ -1,8 +1,7 @@
 """The lesson shape (../shared/STYLE.md): a lesson file is one idea, grown from its parent.
 
-* At most 200 code lines per lesson file (comments, docstrings and blank lines not counted).
-  Checked for Part 2 (lessons 13 and up) and for every Part 1 lesson already reshaped (listed in
-  SHAPED); the rest of Part 1 is being reshaped (issue: lesson shape).
+* At most 200 code lines per lesson file (comments, docstrings and blank lines not counted),
+  for every lesson.
 * A lesson that names a parent (`Parent: lesson NN (...)` in its docstring) changes at most half
   of its lines against that parent, as `diff` counts them, so `make diff TO=NN` shows the idea.
 """
@@ -19,7 +18,6 @@ sys.path.insert(0, str(ROOT / "tools"))
 from lesson_diff import changed_lines, lesson_file, parent_of  # noqa: E402
 
 LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
-SHAPED = {"01", "02", "03", "04", "06", "07", "08", "09", "10", "11", "12"}  # Part 1 lessons already within the limits
 
 
 def code_lines(source: str) -> int:
@@ -42,8 +40,7 @@ def test_code_lines_counts_only_code():
     assert code_lines(src) == 3
 
 
-@pytest.mark.parametrize("lesson", [p for p in LESSONS if p.name[:2] >= "13" or p.name[:2] in SHAPED],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
 def test_lesson_has_at_most_200_code_lines(lesson):
     n = code_lines(lesson.read_text())
     assert n <= 200, f"{lesson.name} has {n} code lines; move what is not the idea out of it"
