@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common import fail
-from apparatus.processes import die_with_parent, supervise  # noqa: F401 (lessons import them from here)
+from apparatus.processes import die_with_parent, end_early_on_error, supervise  # noqa: F401
 
 LOOPBACK = "127.0.0.1"
 
@@ -182,7 +182,8 @@ WORLD_COLUMNS = ["rank", "local rank", "host", "pid", "device", "backend"]
 
 def _guarded(i: int, fn, *args) -> None:
     die_with_parent()
-    fn(i, *args)
+    with end_early_on_error():
+        fn(i, *args)
 
 
 def spawn(fn, args: tuple, nprocs: int) -> None:
