@@ -37,15 +37,39 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def leave_fork_server() -> None:
+    """In a process started by multiprocessing's fork server: close our copy of the pipe end
+    that keeps the server alive. The server exits when the job's own process does (its end
+    of that pipe closes), and our parent-death signal then takes us along; holding a copy,
+    we would keep the server, and the server us, alive after the job was killed (measured:
+    without this, SIGKILL left the ranks). Does nothing in any other process."""
+    from multiprocessing import forkserver
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def die_with_parent() -> None:
-    """Call first thing in a rank: if its parent (mp.spawn's parent, torchrun's agent) is
-    killed, even with SIGKILL, the kernel kills this rank too, so it never trains on alone
-    and writes files after its job has been stopped."""
+    """Call first thing in a rank: if its parent (the job's process, the fork server it
+    started, torchrun's agent) is killed, even with SIGKILL, the kernel kills this rank
+    too, so it never trains on alone and writes files after its job has been stopped."""
     set_parent_death_signal(signal.SIGKILL)
+    leave_fork_server()
     expected = os.environ.get(PARENT_ENV)
-    # the parent may have died before prctl took effect: then we are an orphan already
+    # the job may have ended before prctl took effect: then we are an orphan already
     if os.getppid() == 1 or (expected and expected.isdigit() and mp.parent_process() is not None
-                             and os.getppid() != int(expected)):
+                             and not _alive(int(expected))):
         os._exit(1)
 
 

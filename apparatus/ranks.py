@@ -25,7 +25,7 @@ import io
 import os
 import time
 
-from apparatus.processes import set_parent_death_signal, stop_signals
+from apparatus.processes import leave_fork_server, set_parent_death_signal, stop_signals
 
 PRELOAD = ["torch", "torch.distributed", "common.recipe"]  # imported once, by the fork server
 
@@ -51,23 +51,10 @@ class RankFailed(Exception):
         super().__init__(message)
 
 
-def _leave_fork_server() -> None:
-    """Multiprocessing hands every process the fork server starts the write end of the pipe
-    that keeps the server alive (for processes of its own). A rank holding it would keep the
-    server, its parent, alive after run_ranks' process was killed, and the server would keep
-    the rank: close our copy, so the server exits with run_ranks' process, and the
-    parent-death signal takes the ranks along (measured: without this, SIGKILL left them)."""
-    from multiprocessing import forkserver
-    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
-    if fd is not None:
-        os.close(fd)
-        forkserver._forkserver._forkserver_alive_fd = None
-
-
 def _rank_main(rank: int, world: int, port: int, target, args: tuple, backend: str | None,
                group_timeout_s: float, threads: int | None, results) -> None:
     """One rank: join the group, run target(rank, world, *args), report, leave."""
-    _leave_fork_server()
+    leave_fork_server()
     set_parent_death_signal()  # our parent (the fork server, or run_ranks' process) dies: so do we
     if os.getppid() == 1:      # it died before that took effect
         os._exit(1)

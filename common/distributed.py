@@ -4,7 +4,7 @@
   TCPStore master listens on every interface whatever host you give it, torch 2.14.1, so we
   bind the socket ourselves and hand it over with `master_listen_fd`).
 * `init_from_env`: `dist.init_process_group` with a timeout, from torchrun's RANK/WORLD_SIZE.
-* `spawn`: mp.spawn under supervise(), the failing rank's error as one short line.
+* `spawn`: mp.spawn from a fork server, under supervise(); a failing rank's error in one line.
 * `teardown`: gc.collect() before destroy_process_group(); see its docstring.
 """
 from __future__ import annotations
@@ -180,22 +180,28 @@ def world_rows(local_rank: int, device, backend: str) -> list[list]:
 WORLD_COLUMNS = ["rank", "local rank", "host", "pid", "device", "backend"]
 
 
-def _guarded(i: int, fn, *args) -> None:
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+
+
+def _guarded(i: int, environ: dict, fn, *args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # the job's environment now, not the fork server's at its start
     die_with_parent()
     with end_early_on_error():
         fn(i, *args)
 
 
 def spawn(fn, args: tuple, nprocs: int) -> None:
-    """mp.spawn(fn, args, nprocs, join=True), with a short message if a rank fails.
-
-    mp.spawn already stops the other ranks when one fails (it terminates them), so a crash
-    never leaves the job hanging; we only shorten the report to what the learner needs.
-    supervise() and die_with_parent() make sure no rank outlives a stopped parent.
-    """
+    """mp.spawn(fn, args, nprocs, join=True), but each rank is forked from one "fork server"
+    that imports the lesson and torch once (mp.spawn starts a fresh Python per rank, which
+    imports torch again). Not plain "fork": a process that has used OpenMP threads
+    or CUDA cannot be forked safely. A failing rank stops the others, and the job ends with
+    one short line. supervise(), die_with_parent(): no rank outlives a stopped parent."""
+    mp.set_forkserver_preload(["__main__"])
     try:
         with supervise():
-            mp.spawn(_guarded, args=(fn, *args), nprocs=nprocs, join=True)
+            mp.start_processes(_guarded, args=(dict(os.environ), fn, *args), nprocs=nprocs,
+                               join=True, start_method=START_METHOD)
     except mp.ProcessRaisedException as exc:
         # exc.msg holds the child's whole traceback; its last line is the error itself
         last = [line for line in str(exc.msg).strip().splitlines() if line.strip()][-1]

@@ -47,12 +47,29 @@ def parse_error(module, flags: list[str], monkeypatch, capsys) -> str:
     return lines[0]
 
 
+_ZYGOTE = []
+
+
+def _zygote():
+    """This test process's zygote (tests/zygote.py), started on first use."""
+    if not _ZYGOTE:
+        from zygote import Zygote
+        _ZYGOTE.append(Zygote())
+        _ZYGOTE[0].start()
+    return _ZYGOTE[0]
+
+
 def run(cmd: list[str], timeout: float = 120, env: dict | None = None,
         check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-    """Run a command from the repository root; fail the test (not hang) after `timeout` s."""
+    """Run a command from the repository root; fail the test (not hang) after `timeout` s.
+    `python script.py ...` runs in a child of the zygote (tests/zygote.py): a process of its
+    own, as with subprocess.run, that does not import torch again."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=full_env, stdin=subprocess.DEVNULL, **kwargs)
+    if _zygote().usable(cmd, full_env, kwargs):  # `python x.py`: forked, torch already imported
+        proc = _zygote().run(cmd, cwd=ROOT, env=full_env, timeout=timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env=full_env, stdin=subprocess.DEVNULL, **kwargs)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
                     f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")

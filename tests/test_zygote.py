@@ -1,0 +1,103 @@
+"""tests/zygote.py: a command forked from the zygote behaves as `python script.py` would."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT, _zygote
+
+SCRIPT = textwrap.dedent('''
+    import atexit, json, os, sys
+    import torch.multiprocessing as mp
+
+    def child(i, folder):
+        open(os.path.join(folder, f"rank{i}"), "w").write(str(os.getpid()))
+
+    if __name__ == "__main__":
+        atexit.register(lambda: print("atexit ran"))
+        print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+                          "pid": os.getpid(), "ppid": os.getppid(), "stdin": sys.stdin.read(),
+                          "env": os.environ.get("ZYGOTE_TEST"), "name": __name__}))
+        print("to stderr", file=sys.stderr)
+        mode = sys.argv[1]
+        if mode == "spawn":
+            mp.spawn(child, args=(sys.argv[2],), nprocs=2)
+        elif mode == "raise":
+            raise ValueError("boom")
+        elif mode == "exit":
+            sys.exit("a message")
+        elif mode == "signal":
+            os.kill(os.getpid(), 15)
+        elif mode == "sleep":
+            import time
+            open(sys.argv[2], "w").write(str(os.getpid()))
+            time.sleep(60)
+''')
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("zygote") / "script.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def both(script, *args, env=None):
+    """The same command as a real new Python and as a zygote child."""
+    cmd = [sys.executable, str(script), *map(str, args)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "ZYGOTE_TEST": "yes", **(env or {})}
+    real = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=full_env, stdin=subprocess.DEVNULL)
+    assert _zygote().usable(cmd, full_env, {})
+    forked = _zygote().run(cmd, cwd=ROOT, env=full_env, timeout=60)
+    return real, forked
+
+
+def facts(proc):
+    import json
+    return json.loads(proc.stdout.splitlines()[0])
+
+
+def test_a_child_is_a_process_of_its_own_with_the_commands_setting(script, tmp_path):
+    real, forked = both(script, "spawn", tmp_path)
+    assert forked.returncode == real.returncode == 0, forked.stderr
+    a, b = facts(real), facts(forked)
+    assert b["pid"] not in (os.getpid(), _zygote().proc.pid) and b["ppid"] == _zygote().proc.pid
+    for key in ("argv", "path0", "cwd", "stdin", "env", "name"):
+        assert a[key] == b[key], key
+    assert b["name"] == "__main__" and b["stdin"] == "" and b["env"] == "yes"
+    assert real.stderr == forked.stderr == "to stderr\n"
+    assert real.stdout.splitlines()[1:] == forked.stdout.splitlines()[1:] == ["atexit ran"]
+    # mp.spawn from the child started its ranks from the script's __main__
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+
+
+@pytest.mark.parametrize("mode,code", [("raise", 1), ("exit", 1), ("signal", -15)])
+def test_errors_end_it_as_they_end_python(script, mode, code):
+    real, forked = both(script, mode)
+    assert real.returncode == forked.returncode == code
+    assert real.stderr.splitlines()[-1] == forked.stderr.splitlines()[-1]  # same last line
+    if mode == "raise":
+        assert "Traceback" in forked.stderr and "ValueError: boom" in forked.stderr
+
+
+def test_a_timeout_kills_the_child(script, tmp_path):
+    pid_file = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        _zygote().run([sys.executable, str(script), "sleep", pid_file], cwd=ROOT,
+                      env=dict(os.environ), timeout=5)
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_what_torch_reads_at_import_runs_in_a_new_python(script):
+    cmd = [sys.executable, str(script), "x"]
+    env = dict(_zygote().env)
+    assert _zygote().usable(cmd, env, {})
+    assert not _zygote().usable(cmd, {**env, "OMP_NUM_THREADS": "1"}, {})
+    assert not _zygote().usable(cmd, {**env, "TORCH_CPP_LOG_LEVEL": "INFO"}, {})
+    assert not _zygote().usable(cmd, env, {"input": "x"})
+    assert not _zygote().usable(["make", "test"], env, {})

@@ -1,0 +1,203 @@
+"""Run `python some_script.py ...` for the tests without paying for a new Python each time.
+
+Most of the suite's time went to starting Pythons that import torch (about 3 s of CPU
+each on the CUDA build of torch 2.14.1, and the suite runs a few hundred lesson commands).
+This module keeps one "zygote" per test process: a Python that has imported torch and
+nothing more (no OpenMP thread has run in it, CUDA is untouched: forking it is safe, as it
+is for multiprocessing's fork server). Each command is a child forked from it, which then
+behaves as `python script.py args` would:
+
+* a process of its own (its own pid, exit code, signals; killed on timeout), its stdin
+  /dev/null, its stdout and stderr captured, unbuffered (as PYTHONUNBUFFERED=1);
+* the test's environment and working directory, sys.argv and sys.path[0] as Python sets
+  them, the script run as __main__ (runpy.run_path), so `if __name__ == "__main__"` and
+  multiprocessing (which reads __main__'s file to start its ranks) work as usual;
+* interpreter exit as usual: atexit handlers run, an uncaught error prints its traceback.
+
+What can differ from a fresh Python is what happens while torch is imported: an
+environment that changes a variable torch reads then (TORCH_*, OMP_*, CUDA_* ...) runs in a
+real new Python instead (`usable`). tests/test_zygote.py checks the promises above.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+
+# read while torch is imported (or by Python at start-up): a command that sets one of these
+# differently from the zygote runs in a new Python
+IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP", "CUDA", "NCCL", "LD_", "PYTHON",
+               "MALLOC")
+
+
+class _Child(Exception):
+    def __init__(self, request: dict):
+        self.request = request
+
+
+def _set_parent_death_signal() -> None:
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _serve() -> None:
+    """The zygote's loop: a JSON request per line on stdin; a JSON reply per line on stdout
+    ({"id", "pid"} when the child starts, {"id", "code"} when it ends)."""
+    children: dict[int, int] = {}  # pid -> request id
+    buffer = b""
+
+    def reply(message: dict) -> None:
+        os.write(1, (json.dumps(message) + "\n").encode())
+
+    while True:
+        ready, _, _ = select.select([0], [], [], 0.05)
+        if ready:
+            data = os.read(0, 65536)
+            if not data:  # the test process is gone
+                os._exit(0)
+            buffer += data
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                request = json.loads(line)
+                if "kill" in request:
+                    pid = request["kill"]
+                    if pid in children:
+                        os.kill(pid, 9)
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    raise _Child(request)  # unwinds the loop: the child runs at the top
+                children[pid] = request["id"]
+                reply({"id": request["id"], "pid": pid})
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            reply({"id": children.pop(pid), "code": os.waitstatus_to_exitcode(status)})
+
+
+def _become(request: dict) -> str:
+    """In the child: take the command's stdio, environment, directory and argv."""
+    import io
+    _set_parent_death_signal()  # the zygote (so the tests) gone: so are we
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(out, fd)
+        os.close(out)
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                  errors="backslashreplace")
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    script = os.path.abspath(request["argv"][0])
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(script)  # was this file's folder
+    return script
+
+
+def main() -> None:
+    _set_parent_death_signal()
+    import torch  # noqa: F401  (the point of the zygote)
+    import torch.distributed  # noqa: F401
+    import torch.multiprocessing  # noqa: F401
+    import rich.console  # noqa: F401
+    os.write(1, b'{"ready": true}\n')
+    try:
+        _serve()
+    except _Child as child:
+        script = _become(child.request)
+    import runpy
+    runpy.run_path(script, run_name="__main__")  # errors and SystemExit end us as Python would
+
+
+class Zygote:
+    """The test process's side: start() once, then run() from any thread."""
+
+    def __init__(self):
+        self.proc = None
+        self.env: dict = {}
+        self.lock = threading.Lock()
+        self.waiting: dict[int, dict] = {}
+        self.next_id = 0
+
+    def start(self) -> None:
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=self.env)
+        if json.loads(self.proc.stdout.readline() or "{}").get("ready") is not True:
+            raise RuntimeError("the test zygote did not start")
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            with self.lock:
+                slot = self.waiting.get(message["id"])
+            if slot is not None:
+                slot.update(message)
+                if "code" in message:
+                    slot["done"].set()
+                else:
+                    slot["started"].set()
+        with self.lock:  # the zygote died: nobody will answer
+            for slot in self.waiting.values():
+                slot.setdefault("code", None)
+                slot["started"].set()
+                slot["done"].set()
+
+    def usable(self, cmd, env: dict, kwargs: dict) -> bool:
+        if kwargs or len(cmd) < 2 or str(cmd[0]) != sys.executable or not str(cmd[1]).endswith(".py"):
+            return False
+        changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return not any(k.startswith(IMPORT_TIME) for k in changed - {"PYTHONUNBUFFERED"})
+
+    def _send(self, message: dict) -> None:
+        with self.lock:
+            self.proc.stdin.write((json.dumps(message) + "\n").encode())
+            self.proc.stdin.flush()
+
+    def run(self, cmd, cwd, env: dict, timeout: float | None) -> subprocess.CompletedProcess:
+        """As subprocess.run(cmd, capture_output=True, text=True, timeout=...)."""
+        with tempfile.TemporaryDirectory(prefix="zygote-") as folder:
+            paths = [os.path.join(folder, name) for name in ("stdout", "stderr")]
+            for path in paths:
+                open(path, "w").close()
+            with self.lock:
+                self.next_id += 1
+                rid = self.next_id
+                slot = self.waiting[rid] = {"started": threading.Event(), "done": threading.Event()}
+            try:
+                self._send({"id": rid, "argv": [str(c) for c in cmd[1:]], "env": env,
+                            "cwd": str(cwd), "stdout": paths[0], "stderr": paths[1]})
+                finished = slot["done"].wait(timeout)
+                if not finished:
+                    slot["started"].wait(10)
+                    self._send({"id": 0, "kill": slot.get("pid")})
+                    slot["done"].wait(10)
+                out, err = (open(p, errors="replace").read() for p in paths)
+            finally:
+                with self.lock:
+                    self.waiting.pop(rid, None)
+            if not finished:
+                raise subprocess.TimeoutExpired(list(map(str, cmd)), timeout, out, err)
+            if slot.get("code") is None:
+                raise RuntimeError("the test zygote died while running " + " ".join(map(str, cmd)))
+            return subprocess.CompletedProcess(list(map(str, cmd)), slot["code"], out, err)
+
+
+if __name__ == "__main__":
+    main()
