@@ -1,18 +1,16 @@
-"""Nobody outlives the job: the process plumbing behind common.distributed.spawn and
-tools/nodes.py (not the lessons' idea, so it lives here).
+"""Starting ranks, and nobody outliving the job: the process plumbing behind the lessons'
+spawn (common/distributed.py), run_ranks (apparatus/ranks.py: the checks, bench/, the
+tests) and tools/nodes.py. Not the lessons' idea, so it lives here.
 
+* `start_ranks`: the one way the package starts N ranks and gets back what each returns,
+  or RankFailed naming the first rank that failed (the others are stopped at once).
 * `die_with_parent`: call first thing in a rank; if its parent is killed, even with SIGKILL,
   the kernel kills the rank too (Linux's parent-death signal).
-* `supervise`: around mp.spawn, Ctrl-C, SIGTERM and SIGHUP stop every rank *first*, then
-  one line is printed and the job exits (130, 143, 129).
-
-Starting N ranks and getting their results back (the exercise checks, bench/, the tests) is
-apparatus/ranks.py's run_ranks, built on these: it needs common.distributed's loopback store,
-and common.distributed imports this module, so it lives in a module of its own.
+* `supervise`: around starting ranks, Ctrl-C, SIGTERM and SIGHUP stop every rank *first*,
+  then one line is printed and the job exits (130, 143, 129).
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import signal
@@ -152,22 +150,150 @@ def restore_terminal(end_line: bool = False) -> None:
                 return
 
 
-def _end_now() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(1)
+class RankFailed(Exception):
+    """A rank of start_ranks() failed. kind: "raised" (error: the exception's type name, text:
+    its message, frames: (file, line) of its traceback, code: a SystemExit's code), "died"
+    (code: the exit code, negative for a signal) or "timeout" (no rank failed, but the run
+    did not end within `seconds`)."""
+
+    def __init__(self, kind: str, rank: int | None, world: int, error: str = "", text: str = "",
+                 frames: tuple = (), code: int | None = None, seconds: float | None = None):
+        self.kind, self.rank, self.world, self.error, self.text = kind, rank, world, error, text
+        self.frames, self.code, self.seconds = frames, code, seconds
+        if kind == "timeout":
+            message = f"the {world} ranks did not finish within {seconds:g}s"
+        elif kind == "died":
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            message = f"rank {rank} died ({how}) without an error message"
+        elif error == "SystemExit":
+            message = f"rank {rank} exited with code {code}"
+        else:
+            message = f"rank {rank} failed with {error}: {' '.join(text.split())[:300]}"
+        super().__init__(message)
 
 
-@contextlib.contextmanager
-def end_early_on_error():
-    """Around a rank's work under mp.spawn. If it raises, mp.spawn still sends the error to the
-    parent and exits with 1, but the process then ends at the start of interpreter exit
-    (atexit), before its objects are destroyed: a gloo process group left in a timed-out
-    collective can otherwise abort there with "terminate called without an active exception"
-    (seen in 1 of 6 runs of lesson 11's straggler, torch 2.14.1)."""
+def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
+               threads: int | None, results) -> None:
+    """One rank: run target(rank, world, *args) and send back what it returned (or raised)."""
+    leave_fork_server()
+    set_parent_death_signal()  # our parent (the fork server, or the job's process) dies: so do we
+    if os.getppid() == 1:      # it died before that took effect
+        os._exit(1)
+    os.environ.clear()
+    os.environ.update(environ)  # the job's environment now, not the fork server's at its start
+    import gc
+    import io
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    if threads:
+        torch.set_num_threads(threads)  # several ranks share few cores: one thread each
+
+    def report(kind: str, payload) -> None:
+        results.put((rank, kind, payload))
+        results.close()
+        results.join_thread()  # the message is in the pipe before this process may end
+
     try:
-        yield
-    except Exception:
-        atexit.register(_end_now)
-        raise
+        try:
+            value = target(rank, world, *args)
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise
+            value = None  # sys.exit(0): done, as for any process
+    except BaseException as exc:  # noqa: BLE001 - reported, with where it was raised
+        frames = tuple((f.filename, f.lineno) for f in traceback.extract_tb(exc.__traceback__))
+        code = exc.code if isinstance(exc, SystemExit) else None
+        report("raised", (type(exc).__name__, str(exc), frames,
+                          code if code is None or isinstance(code, int) else 1))
+        # End here: no interpreter teardown, no destroy_process_group. Another rank may be
+        # stuck in a collective with us, and gloo can abort at exit from a timed-out one
+        # ("terminate called without an active exception", torch 2.14.1).
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    report("ok", buffer.getvalue())
+    del value
+    gc.collect()  # free anything (a DDP reducer) that still holds the group, then leave
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None = None,
+                threads: int | None = None, preload: list[str] | None = None) -> list:
+    """target(rank, world, *args) on `world` new processes: what each returned, by rank.
+
+    Each rank is forked from multiprocessing's "fork server", a fresh Python that has
+    imported `preload` once (with "__main__": the job's script), so a rank does not import
+    torch again, as each of mp.spawn's fresh Pythons does. Not plain "fork" from this
+    process: one that has used OpenMP threads or CUDA cannot be forked safely. ("spawn"
+    where there is no fork server.) Each rank gets this process's environment as it is now.
+
+    Values go back with torch.save and torch.load(weights_only=True): tensors, numbers,
+    strings, lists, dicts, None. A rank that ends itself with exit code 0 (os._exit(0), as
+    step mode's "q" does) returns None. timeout_s: the whole run (None: no limit).
+    threads: torch threads per rank (None: torch's default). Raises RankFailed for the first
+    rank that raised, died or did not finish in time, after stopping the others (they may be
+    waiting for it); KeyboardInterrupt (also for SIGTERM and SIGHUP, as Stopped) after
+    stopping every rank. A rank still alive when the run ends, well or not, is killed.
+    """
+    import io
+    import multiprocessing
+    import queue
+
+    import torch
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(preload or [])  # no effect once this process's server runs
+    else:
+        ctx = multiprocessing.get_context("spawn")  # as mp.spawn does
+    results = ctx.Queue()
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, world, environ, target, args, threads, results))
+             for r in range(world)]
+    got: dict = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    quiet_since = None
+    with stop_signals():
+        try:
+            for p in procs:
+                p.start()
+            while len(got) < world:
+                try:
+                    rank, kind, payload = results.get(timeout=0.5)
+                    quiet_since = None
+                except queue.Empty:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise RankFailed("timeout", None, world, seconds=timeout_s)
+                    dead = [r for r, p in enumerate(procs)
+                            if p.exitcode is not None and r not in got]
+                    if dead:  # give a message still in the pipe a moment to arrive
+                        quiet_since = quiet_since or time.monotonic()
+                        failed = [r for r in dead if procs[r].exitcode != 0]
+                        if time.monotonic() - quiet_since > (3 if failed else 0.4):
+                            if failed:
+                                raise RankFailed("died", failed[0], world,
+                                                 code=procs[failed[0]].exitcode)
+                            got.update({r: None for r in dead})  # ended itself, quietly
+                    continue
+                if kind != "ok":
+                    error, text, frames, code = payload
+                    raise RankFailed("raised", rank, world, error, text, frames, code)
+                got[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+        finally:
+            finished = len(got) == world
+            for p in procs:
+                if p.pid is None:  # never started
+                    continue
+                p.join(timeout=15 if finished else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return [got[r] for r in range(world)]

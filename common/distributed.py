@@ -4,7 +4,7 @@
   TCPStore master listens on every interface whatever host you give it, torch 2.14.1, so we
   bind the socket ourselves and hand it over with `master_listen_fd`).
 * `init_from_env`: `dist.init_process_group` with a timeout, from torchrun's RANK/WORLD_SIZE.
-* `spawn`: mp.spawn from a fork server, under supervise(); a failing rank's error in one line.
+* `spawn`: mp.spawn's job, forked from a fork server; a failing rank's error in one line.
 * `teardown`: gc.collect() before destroy_process_group(); see its docstring.
 """
 from __future__ import annotations
@@ -13,13 +13,13 @@ import datetime
 import errno
 import gc
 import os
+import signal
 import socket
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from common import fail
-from apparatus.processes import die_with_parent, end_early_on_error, supervise  # noqa: F401
+from apparatus.processes import RankFailed, die_with_parent, start_ranks, supervise  # noqa: F401
 
 LOOPBACK = "127.0.0.1"
 
@@ -180,39 +180,29 @@ def world_rows(local_rank: int, device, backend: str) -> list[list]:
 WORLD_COLUMNS = ["rank", "local rank", "host", "pid", "device", "backend"]
 
 
-START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-
-
-def _guarded(i: int, environ: dict, fn, *args) -> None:
-    os.environ.clear()
-    os.environ.update(environ)  # the job's environment now, not the fork server's at its start
-    die_with_parent()
-    with end_early_on_error():
-        fn(i, *args)
+def _lesson_rank(rank: int, world: int, fn, args: tuple) -> None:
+    fn(rank, *args)
 
 
 def spawn(fn, args: tuple, nprocs: int) -> None:
-    """mp.spawn(fn, args, nprocs, join=True), but each rank is forked from one "fork server"
-    that imports the lesson and torch once (mp.spawn starts a fresh Python per rank, which
-    imports torch again). Not plain "fork": a process that has used OpenMP threads
-    or CUDA cannot be forked safely. A failing rank stops the others, and the job ends with
-    one short line. supervise(), die_with_parent(): no rank outlives a stopped parent."""
-    mp.set_forkserver_preload(["__main__"])
+    """mp.spawn(fn, args, nprocs, join=True), through apparatus/processes.py's start_ranks:
+    each rank is forked from a fork server that imports the lesson and torch once (mp.spawn
+    starts a fresh Python per rank, which imports torch again). A failing rank stops the
+    others, and the job ends with one short line. supervise(): Ctrl-C stops every rank."""
     try:
         with supervise():
-            mp.start_processes(_guarded, args=(dict(os.environ), fn, *args), nprocs=nprocs,
-                               join=True, start_method=START_METHOD)
-    except mp.ProcessRaisedException as exc:
-        # exc.msg holds the child's whole traceback; its last line is the error itself
-        last = [line for line in str(exc.msg).strip().splitlines() if line.strip()][-1]
-        fail(f"rank {exc.error_index} failed with {last}; the other ranks were stopped", code=1)
-    except mp.ProcessExitedException as exc:
-        if exc.exit_code == 2 or exc.exit_code == 1:
-            # the rank already printed its own one-line error (common.cli.fail)
-            fail(f"rank {exc.error_index} exited with code {exc.exit_code}; "
-                 f"the other ranks were stopped", code=exc.exit_code)
-        fail(f"rank {exc.error_index} died ({exc.signal_name or 'exit code ' + str(exc.exit_code)}); "
-             f"the other ranks were stopped", code=1)
+            start_ranks(_lesson_rank, nprocs, (fn, args), preload=["__main__"])
+    except RankFailed as exc:
+        code, left = exc.code, "the other ranks were stopped"
+        if exc.error == "SystemExit" or (exc.kind == "died" and code in (1, 2)):
+            # it printed its own one-line error (common.fail) and left
+            fail(f"rank {exc.rank} exited with code {code}; {left}",
+                 code=code if code in (1, 2) else 1)
+        if exc.kind == "raised":  # the last line of its traceback, as Python would print it
+            last = f"{exc.error}: {exc.text}".strip().splitlines()[-1] if exc.text else exc.error
+            fail(f"rank {exc.rank} failed with {last}; {left}", code=1)
+        how = signal.Signals(-code).name if (code or 0) < 0 else f"exit code {code}"
+        fail(f"rank {exc.rank} died ({how}); {left}", code=1)
 
 
 def say_each(ui, message: str) -> None:

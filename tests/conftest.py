@@ -65,7 +65,7 @@ def run(cmd: list[str], timeout: float = 120, env: dict | None = None,
     `python script.py ...` runs in a child of the zygote (tests/zygote.py): a process of its
     own, as with subprocess.run, that does not import torch again."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", **(env or {})}
-    if _zygote().usable(cmd, full_env, kwargs):  # `python x.py`: forked, torch already imported
+    if _zygote().usable(cmd, full_env, kwargs, cwd=ROOT):  # forked, torch already imported
         proc = _zygote().run(cmd, cwd=ROOT, env=full_env, timeout=timeout)
     else:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,

@@ -101,3 +101,12 @@ def test_what_torch_reads_at_import_runs_in_a_new_python(script):
     assert not _zygote().usable(cmd, {**env, "TORCH_CPP_LOG_LEVEL": "INFO"}, {})
     assert not _zygote().usable(cmd, env, {"input": "x"})
     assert not _zygote().usable(["make", "test"], env, {})
+    assert _zygote().usable([".venv/bin/python", "-m", "bench.run"], env, {}, cwd=ROOT)
+
+
+def test_python_dash_m_runs_the_module_as_main():
+    cmd = [sys.executable, "-m", "json.tool", "--help"]
+    real = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    forked = _zygote().run(cmd, cwd=ROOT, env=dict(os.environ), timeout=60)
+    assert forked.returncode == real.returncode == 0
+    assert forked.stdout == real.stdout and "usage:" in forked.stdout

@@ -10,7 +10,7 @@ behaves as `python script.py args` would:
 * a process of its own (its own pid, exit code, signals; killed on timeout), its stdin
   /dev/null, its stdout and stderr captured, unbuffered (as PYTHONUNBUFFERED=1);
 * the test's environment and working directory, sys.argv and sys.path[0] as Python sets
-  them, the script run as __main__ (runpy.run_path), so `if __name__ == "__main__"` and
+  them, the script (or `-m module`) run as __main__ (runpy), so `if __name__ == "__main__"` and
   multiprocessing (which reads __main__'s file to start its ranks) work as usual;
 * interpreter exit as usual: atexit handlers run, an uncaught error prints its traceback.
 
@@ -103,10 +103,13 @@ def _become(request: dict) -> str:
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
                                   errors="backslashreplace")
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
-    script = os.path.abspath(request["argv"][0])
     sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(script)  # was this file's folder
-    return script
+    if sys.argv[0] == "-m":  # python -m module: sys.path[0] is the working directory
+        sys.argv.pop(0)
+        sys.path[0] = os.getcwd()
+        return "-m"
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # was this file's folder
+    return os.path.abspath(sys.argv[0])
 
 
 def main() -> None:
@@ -121,7 +124,10 @@ def main() -> None:
     except _Child as child:
         script = _become(child.request)
     import runpy
-    runpy.run_path(script, run_name="__main__")  # errors and SystemExit end us as Python would
+    if script == "-m":  # sys.argv[0], the module's name for now, becomes its file's path
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:  # errors and SystemExit end us as Python would
+        runpy.run_path(script, run_name="__main__")
 
 
 class Zygote:
@@ -159,8 +165,13 @@ class Zygote:
                 slot["started"].set()
                 slot["done"].set()
 
-    def usable(self, cmd, env: dict, kwargs: dict) -> bool:
-        if kwargs or len(cmd) < 2 or str(cmd[0]) != sys.executable or not str(cmd[1]).endswith(".py"):
+    def usable(self, cmd, env: dict, kwargs: dict, cwd=".") -> bool:
+        """Whether `cmd` is `python script.py ...` with this Python (as a path from cwd) and
+        nothing that needs a new one: no subprocess.run options of its own, and no change to
+        what torch reads as it is imported."""
+        if kwargs or len(cmd) < 2 or not (str(cmd[1]).endswith(".py") or cmd[1] == "-m"):
+            return False
+        if os.path.abspath(os.path.join(cwd, str(cmd[0]))) != os.path.abspath(sys.executable):
             return False
         changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
         return not any(k.startswith(IMPORT_TIME) for k in changed - {"PYTHONUNBUFFERED"})
