@@ -93,6 +93,24 @@ def test_a_timeout_kills_the_child(script, tmp_path):
         os.kill(pid, 0)
 
 
+def test_it_outlives_the_thread_that_started_it():
+    """The parent-death signal follows the thread that started a process: the zygote must
+    survive a ThreadPoolExecutor's worker starting it (tests/test_lesson_12.py's does)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from zygote import Zygote
+    zygote = Zygote()
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(zygote.start).result()
+    import time
+    time.sleep(1)
+    assert zygote.proc.poll() is None
+    proc = zygote.run([sys.executable, "-m", "json.tool", "--help"], cwd=ROOT,
+                      env=dict(os.environ), timeout=60)
+    assert proc.returncode == 0
+    zygote.proc.kill()
+
+
 def test_what_torch_reads_at_import_runs_in_a_new_python(script):
     cmd = [sys.executable, str(script), "x"]
     env = dict(_zygote().env)

@@ -142,8 +142,20 @@ class Zygote:
 
     def start(self) -> None:
         self.env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=self.env)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="zygote-", suffix=".log")
+        # Started from a thread that lives as long as this process: Linux sends the
+        # parent-death signal when the *thread* that started a process ends (a test's
+        # worker thread would take the zygote along with it).
+        started = threading.Event()
+
+        def keeper():
+            self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self.log, env=self.env)
+            started.set()
+            threading.Event().wait()  # forever
+
+        threading.Thread(target=keeper, daemon=True, name="zygote-keeper").start()
+        started.wait()
         if json.loads(self.proc.stdout.readline() or "{}").get("ready") is not True:
             raise RuntimeError("the test zygote did not start")
         threading.Thread(target=self._read, daemon=True).start()
@@ -178,8 +190,16 @@ class Zygote:
 
     def _send(self, message: dict) -> None:
         with self.lock:
-            self.proc.stdin.write((json.dumps(message) + "\n").encode())
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write((json.dumps(message) + "\n").encode())
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                raise RuntimeError(self._death()) from None
+
+    def _death(self) -> str:
+        self.log.seek(0)
+        return (f"the test zygote has died (exit code {self.proc.poll()}); its last words: "
+                f"{self.log.read()[-2000:]!r}")
 
     def run(self, cmd, cwd, env: dict, timeout: float | None) -> subprocess.CompletedProcess:
         """As subprocess.run(cmd, capture_output=True, text=True, timeout=...)."""
@@ -206,7 +226,7 @@ class Zygote:
             if not finished:
                 raise subprocess.TimeoutExpired(list(map(str, cmd)), timeout, out, err)
             if slot.get("code") is None:
-                raise RuntimeError("the test zygote died while running " + " ".join(map(str, cmd)))
+                raise RuntimeError(f"{' '.join(map(str, cmd))}: {self._death()}")
             return subprocess.CompletedProcess(list(map(str, cmd)), slot["code"], out, err)
 
 
