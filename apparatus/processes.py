@@ -277,7 +277,7 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
                     if dead:  # give a message still in the pipe a moment to arrive
                         quiet_since = quiet_since or time.monotonic()
                         failed = [r for r in dead if procs[r].exitcode != 0]
-                        if time.monotonic() - quiet_since > (3 if failed else 0.4):
+                        if time.monotonic() - quiet_since > 0.4:  # one more get() has come back empty
                             if failed:
                                 raise RankFailed("died", failed[0], world,
                                                  code=procs[failed[0]].exitcode)

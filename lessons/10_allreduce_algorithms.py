@@ -27,7 +27,6 @@ Doc: docs/10_allreduce_algorithms.md
 """
 import datetime
 import json
-import logging
 import os
 import sys
 import time
@@ -182,19 +181,17 @@ def main() -> None:
 
     # Step 1: Start N processes on gloo
     # Same start as lesson 05: the address of the rendezvous store goes in the environment,
-    # mp.spawn starts one process per rank. gloo, because it moves CPU tensors, and every
+    # spawn() starts one process per rank, as mp.spawn does (common/distributed.py forks
+    # them from a fork server, so torch is imported once, not once per rank). gloo, because it moves CPU tensors, and every
     # tensor here lives on the CPU: bytes on the wire do not depend on the device.
     ui.step(1, "Start N processes on gloo")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(choose_port(args.master_port))
-    ui.print(f"mp.spawn(worker, nprocs={args.world_size}), rendezvous at "
+    ui.print(f"spawn(worker, nprocs={args.world_size}), rendezvous at "
              f"127.0.0.1:{os.environ['MASTER_PORT']}, timeout {args.timeout:g}s per operation")
     if args.step:
         ui.print("[dim]--step: the ranks run without a terminal, so only this step pauses[/dim]")
         ui.pause()
-    # mp.spawn logs one warning per rank it stops after a failure; the one-line error
-    # from spawn() says the same, so keep the screen to that line.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     spawn(worker, (args.world_size, args), args.world_size)
 
 

@@ -23,7 +23,6 @@ Run:
 Doc: docs/11_sync_vs_async.md
 """
 import datetime
-import logging
 import os
 import sys
 import time
@@ -90,7 +89,7 @@ def main() -> None:
     if args.mode in ("both", "async"):
         model = recipe.make_model(args.seed, data.in_features, data.classes)
         model.share_memory()  # the parameters move to shared memory: one copy for all workers
-        ctx = mp.get_context("spawn")  # mp.spawn's method; its Values and Barriers match it
+        ctx = mp.get_context("spawn")  # Values and Barriers a process not forked from us can share
         shared["async"] = {
             "model": model,
             "next_batch": ctx.Value("l", 0),  # the next batch to hand out
@@ -102,9 +101,6 @@ def main() -> None:
     if args.step:
         ui.print("[dim]--step: the workers run without a terminal, so only this step pauses[/dim]")
         ui.pause()
-    # mp.spawn logs a warning for each worker it stops after a failure; the one-line error
-    # from spawn() says the same, so keep the screen to that line.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     spawn(worker, (n, args, shared, bounds), n)
 
 

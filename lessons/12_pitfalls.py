@@ -148,7 +148,7 @@ def main() -> None:
         port = choose_port(args.master_port)
         ui.print(f"MASTER_PORT={port}: choose_port() made sure nothing listens there")
     debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
-    ui.print(f"mp.spawn(worker, nprocs={args.world_size}); collectives time out after "
+    ui.print(f"spawn(worker, nprocs={args.world_size}); collectives time out after "
              f"{args.timeout:g}s; TORCH_DISTRIBUTED_DEBUG={debug}")
     share_terminal_with_children()  # --step: rank 0 asks on this terminal
     ui.pause(next_step=(2, "Join the process group with a short timeout"))
@@ -199,7 +199,7 @@ def worker(rank: int, world_size: int, args, port: int) -> None:
     # it below as a referee that works even when collectives are stuck. The timeout bounds
     # the rendezvous *and* every collective: a rank that never answers becomes an error
     # after --timeout seconds instead of a frozen terminal. A rank that *crashes* ends the
-    # job sooner: mp.spawn sees the dead process and stops the others (--break rank-crash).
+    # job sooner: spawn() sees the dead process and stops the others (--break rank-crash).
     ui.step(2, "Join the process group with a short timeout")
     timeout = datetime.timedelta(seconds=args.timeout)
     try:

@@ -28,7 +28,7 @@ def collective(ui: UI, what: str, call, wait_if_peer_died: float = 0.0) -> None:
         ui.say_all(f"{what} gave up after {timer.seconds:.1f}s: {escape(message.strip())}")
         if wait_if_peer_died:
             # A peer is gone: this rank is not the culprit. Wait to be stopped, so that
-            # mp.spawn reports the rank that really failed, not this one.
+            # spawn() reports the rank that really failed, not this one.
             time.sleep(wait_if_peer_died)
         leave(1)
 
@@ -39,7 +39,7 @@ def leave(code: int) -> None:
     After a failure the group is in an unknown state and peers may be gone: we do not call
     destroy_process_group() (it can deadlock, NCCL above all), and a normal Python exit
     would run gloo's destructors, which sometimes abort ("terminate called without an
-    active exception": measured here after a timeout). os._exit skips all that; mp.spawn
+    active exception": measured here after a timeout). os._exit skips all that; spawn()
     sees the exit code and stops the other ranks.
     """
     sys.stdout.flush()

@@ -23,7 +23,7 @@ EXPLAIN = {
     "busy-port": (
         "Symptom: rank 0 fails at once with DistNetworkError ... EADDRINUSE, address already in "
         "use, while the other ranks, connected to whatever holds the port, wait for an answer "
-        "that never comes (their store timeout does not end that wait: mp.spawn stops them "
+        "that never comes (their store timeout does not end that wait: spawn() stops them "
         "when rank 0 exits). Cause: rank 0 hosts the rendezvous store on MASTER_PORT, and "
         "another process (often an earlier run that has not exited) already listens there. "
         "Fix: leave --master-port out (common.distributed.choose_port asks the OS for a free "
@@ -34,6 +34,6 @@ EXPLAIN = {
         "collective, and the job ended at once with the crashed rank's error. Cause: a rank "
         "died, so its partners can never complete the collective. Fix: read the first "
         "failure (the crashed rank's traceback), not the errors of the ranks that lost a "
-        "peer; let the launcher (mp.spawn here, torchrun later) stop the others, and never "
+        "peer; let the launcher (spawn() here, torchrun later) stop the others, and never "
         "call destroy_process_group() in a finally block after a peer failed: it can block."),
 }
