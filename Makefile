@@ -77,8 +77,10 @@ checks: $(STAMP)
 lessons: $(STAMP)
 	@set -e; for n in $(LESSON_NUMS); do $(MAKE) --no-print-directory lesson-$$n; done
 
+# One worker per core, 4 at most (pytest-xdist); each test file runs on one worker, so its
+# fixtures run once.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile
 
 clean:
 	rm -rf runs .pytest_cache

@@ -48,14 +48,18 @@ def parse_error(module, flags: list[str], monkeypatch, capsys) -> str:
 
 
 _ZYGOTE = []
+_ZYGOTE_LOCK = threading.Lock()
 
 
 def _zygote():
-    """This test process's zygote (tests/zygote.py), started on first use."""
-    if not _ZYGOTE:
-        from zygote import Zygote
-        _ZYGOTE.append(Zygote())
-        _ZYGOTE[0].start()
+    """This test process's zygote (tests/zygote.py), started on first use (by one thread:
+    lesson 12's tests run two commands at a time)."""
+    with _ZYGOTE_LOCK:
+        if not _ZYGOTE:
+            from zygote import Zygote
+            zygote = Zygote()
+            zygote.start()
+            _ZYGOTE.append(zygote)
     return _ZYGOTE[0]
 
 
@@ -135,3 +139,17 @@ def reference_13() -> dict:
     on disk by common/transformer.py so every Part 2 test shares one computation."""
     from common import transformer
     return transformer.train_reference()
+
+
+# The files that take longest, first: `make test` runs files on 2 workers (pytest-xdist,
+# --dist loadfile, in this order), and a long file started last would leave one worker idle
+# while the other finishes it.
+LONGEST_FIRST = ["test_lesson_12", "test_lesson_07", "test_lesson_05", "test_exercises",
+                 "test_reliability", "test_lesson_18", "test_lesson_06", "test_bench",
+                 "test_lesson_15", "test_lesson_17", "test_lesson_16", "test_lesson_14",
+                 "test_lesson_19", "test_step_mode", "test_lesson_11"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).stem, len(rank)))

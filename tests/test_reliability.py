@@ -31,6 +31,14 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "OMP_NUM_THREADS
 
 # --- watching a job from outside ---------------------------------------------------------
 
+def _sigint_as_in_a_terminal() -> None:
+    """In the child, before Python starts: Ctrl-C's signal does what it does in a learner's
+    terminal. A shell that starts the tests in the background (`make test &`, nohup, some CI
+    runners) ignores SIGINT, children inherit that, and Python then never raises
+    KeyboardInterrupt (seen: a job that trained on after SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Job:
     """A lesson started as a learner would, in its own session, output in files."""
 
@@ -38,7 +46,8 @@ class Job:
         self.out, self.err = folder / f"{name}.stdout", folder / f"{name}.stderr"
         self.proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=open(self.out, "w"),
                                      stderr=open(self.err, "w"), stdin=subprocess.DEVNULL,
-                                     env={**ENV, **(env or {})}, start_new_session=True)
+                                     env={**ENV, **(env or {})}, start_new_session=True,
+                                     preexec_fn=_sigint_as_in_a_terminal)
 
     def stdout(self) -> str:
         return self.out.read_text()
