@@ -53,12 +53,15 @@ _ZYGOTE_LOCK = threading.Lock()
 
 def _zygote():
     """This test process's zygote (tests/zygote.py), started on first use (by one thread:
-    lesson 12's tests run two commands at a time)."""
+    lesson 12's tests run two commands at a time), and again when a test has changed a
+    variable torch reads as it is imported (TORCH*, OMP_* ...) in this process's environment."""
     with _ZYGOTE_LOCK:
-        if not _ZYGOTE:
+        if not _ZYGOTE or _ZYGOTE[0].stale(os.environ):
             from zygote import Zygote
             zygote = Zygote()
             zygote.start()
+            if _ZYGOTE:
+                _ZYGOTE.pop().stop()
             _ZYGOTE.append(zygote)
     return _ZYGOTE[0]
 

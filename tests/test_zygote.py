@@ -128,3 +128,14 @@ def test_python_dash_m_runs_the_module_as_main():
     forked = _zygote().run(cmd, cwd=ROOT, env=dict(os.environ), timeout=60)
     assert forked.returncode == real.returncode == 0
     assert forked.stdout == real.stdout and "usage:" in forked.stdout
+
+
+def test_a_changed_import_time_variable_starts_a_new_zygote(monkeypatch):
+    before = _zygote()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    after = _zygote()
+    assert after is not before and after.env["OMP_NUM_THREADS"] == "3"
+    assert before.proc.wait(10) is not None  # the old one has exited
+    proc = after.run([sys.executable, "-m", "json.tool", "--help"], cwd=ROOT,
+                     env=dict(os.environ), timeout=60)
+    assert proc.returncode == 0

@@ -20,6 +20,7 @@ real new Python instead (`usable`). tests/test_zygote.py checks the promises abo
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -177,6 +178,24 @@ class Zygote:
                 slot["started"].set()
                 slot["done"].set()
 
+    def _import_time_changes(self, env) -> set:
+        changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return {k for k in changed - {"PYTHONUNBUFFERED"} if k.startswith(IMPORT_TIME)}
+
+    def stale(self, env) -> bool:
+        """This process's environment now differs from the zygote's where torch's import reads
+        it, and no command is running: start a new zygote."""
+        with self.lock:
+            busy = bool(self.waiting)
+        return not busy and bool(self._import_time_changes(env))
+
+    def stop(self) -> None:
+        """End the zygote (it exits when its stdin closes)."""
+        with contextlib.suppress(Exception):
+            self.proc.stdin.close()
+        with contextlib.suppress(Exception):
+            self.proc.wait(10)
+
     def usable(self, cmd, env: dict, kwargs: dict, cwd=".") -> bool:
         """Whether `cmd` is `python script.py ...` with this Python (as a path from cwd) and
         nothing that needs a new one: no subprocess.run options of its own, and no change to
@@ -185,8 +204,11 @@ class Zygote:
             return False
         if os.path.abspath(os.path.join(cwd, str(cmd[0]))) != os.path.abspath(sys.executable):
             return False
-        changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return not any(k.startswith(IMPORT_TIME) for k in changed - {"PYTHONUNBUFFERED"})
+        changes = self._import_time_changes(env)
+        if changes and os.environ.get("ZYGOTE_LOG"):  # which commands need a new Python, and why
+            with open(os.environ["ZYGOTE_LOG"], "a") as log:
+                log.write(f"{os.getpid()} {' '.join(map(str, cmd[1:3]))}: {sorted(changes)}\n")
+        return not changes
 
     def _send(self, message: dict) -> None:
         with self.lock:
