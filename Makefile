@@ -77,10 +77,12 @@ checks: $(STAMP)
 lessons: $(STAMP)
 	@set -e; for n in $(LESSON_NUMS); do $(MAKE) --no-print-directory lesson-$$n; done
 
-# One worker per core, 4 at most (pytest-xdist); each test file runs on one worker, so its
-# fixtures run once.
+# pytest-xdist workers: one more than the cores (a test that waits for a timeout leaves its
+# core to the others), 6 at most. Each test file runs on one worker, so its fixtures run once,
+# longest files first (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 1 < 6 ? n + 1 : 6 )))
 test: $(STAMP)
-	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf runs .pytest_cache
