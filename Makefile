@@ -77,10 +77,10 @@ checks: $(STAMP)
 lessons: $(STAMP)
 	@set -e; for n in $(LESSON_NUMS); do $(MAKE) --no-print-directory lesson-$$n; done
 
-# pytest-xdist workers: one more than the cores (a test that waits for a timeout leaves its
-# core to the others), 6 at most. Each test file runs on one worker, so its fixtures run once,
-# longest files first (tests/conftest.py).
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 1 < 6 ? n + 1 : 6 )))
+# pytest-xdist workers: one per core, 4 at most (measured on 2 cores: a third worker made
+# the suite slower). Each test file runs on one worker, so its fixtures run once, longest
+# files first (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
