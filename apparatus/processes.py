@@ -124,9 +124,9 @@ def stop_processes(procs, grace: float = 3.0) -> None:
 
 @contextlib.contextmanager
 def supervise():
-    """Around mp.spawn: Ctrl-C, SIGTERM and SIGHUP stop every rank *first*, then print one
-    line and exit (130, 143, 129). With die_with_parent() in each rank, a parent killed
-    with SIGKILL takes its ranks along too."""
+    """Around mp.spawn or start_ranks: Ctrl-C, SIGTERM and SIGHUP stop every rank *first*,
+    then print one line and exit (130, 143, 129). With die_with_parent() in each rank, a
+    parent killed with SIGKILL takes its ranks along too."""
     os.environ[PARENT_ENV] = str(os.getpid())
     with stop_signals():
         try:
