@@ -78,11 +78,10 @@ lessons: $(STAMP)
 	@set -e; for n in $(LESSON_NUMS); do $(MAKE) --no-print-directory lesson-$$n; done
 
 # pytest-xdist workers: one per core, 4 at most (measured on 2 cores: a third worker made
-# the suite slower). Each test file runs on one worker, so its fixtures run once, longest
-# files first (tests/conftest.py).
+# the suite slower). Each test file runs on one worker, so its fixtures run once.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf runs .pytest_cache
