@@ -175,12 +175,9 @@ class RankFailed(Exception):
 def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
                threads: int | None, results) -> None:
     """One rank: run target(rank, world, *args) and send back what it returned (or raised)."""
-    leave_fork_server()
-    set_parent_death_signal()  # our parent (the fork server, or the job's process) dies: so do we
-    if os.getppid() == 1:      # it died before that took effect
-        os._exit(1)
     os.environ.clear()
     os.environ.update(environ)  # the job's environment now, not the fork server's at its start
+    die_with_parent()  # our parent (the fork server, or the job's process) dies: so do we
     import gc
     import io
     import traceback
