@@ -247,7 +247,11 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
 
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(preload or [])  # no effect once this process's server runs
+        # Preloads take effect only when this process's server starts. torch._dynamo is one:
+        # the first DDP, FSDP, DTensor or pipeline in a process imports it (torch 2.14.1:
+        # DistributedDataParallel.__init__ asks it for its optimize_ddp mode), about 1.5 s
+        # of CPU that each rank would otherwise spend on its own.
+        ctx.set_forkserver_preload(["torch._dynamo", *(preload or [])])
     else:
         ctx = multiprocessing.get_context("spawn")  # as mp.spawn does
     results = ctx.Queue()
