@@ -1,6 +1,7 @@
 """Lesson 06: the same script under two simulated nodes, plain torchrun, and plain python."""
 import sys
 import time
+from pathlib import Path
 
 from common import recipe
 from conftest import load_run, max_abs_diff, run, run_lesson
@@ -9,9 +10,19 @@ NODES = [sys.executable, "tools/nodes.py"]
 LESSON = "lessons/06_torchrun_multinode.py"
 
 
+def agents_left_nothing_in(tmp: Path) -> None:
+    """torchrun's agents each make a folder under $TMPDIR and leave it behind; tools/nodes.py
+    gives them one of its own inside the job's folder and removes it when the job ends."""
+    assert list(tmp.iterdir()) == [], sorted(p.name for p in tmp.iterdir())
+
+
 def test_make_lesson_06_runs_two_nodes_and_matches_one_device(tmp_path, reference_3_epochs):
-    proc = run(["make", "-s", "lesson-06", f"ARGS=--out {tmp_path}"], timeout=240)
-    state, metrics = load_run(tmp_path)
+    (tmp_path / "tmp").mkdir()
+    proc = run(["make", "-s", "lesson-06", f"ARGS=--out {tmp_path / 'out'}"], timeout=240,
+               env={"TMPDIR": str(tmp_path / "tmp")})
+    agents_left_nothing_in(tmp_path / "tmp")
+    assert not (tmp_path / "out" / "nodes" / "tmp").exists()
+    state, metrics = load_run(tmp_path / "out")
     assert metrics["world_size"] == 4 and metrics["nodes"] == 2
     # static rendezvous: global rank = node * nproc_per_node + local rank
     assert [(r["rank"], r["node"], r["local_rank"]) for r in metrics["ranks"]] == \
@@ -22,8 +33,10 @@ def test_make_lesson_06_runs_two_nodes_and_matches_one_device(tmp_path, referenc
 
 
 def test_plain_torchrun_standalone_and_plain_python(tmp_path):
+    (tmp_path / "tmp").mkdir()  # where this agent leaves its torchelastic_... folder
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-         LESSON, "--epochs", "1", "--out", tmp_path / "tr"], timeout=180)
+         LESSON, "--epochs", "1", "--out", tmp_path / "tr"], timeout=180,
+        env={"TMPDIR": str(tmp_path / "tmp")})
     state, metrics = load_run(tmp_path / "tr")
     assert metrics["world_size"] == 3
     reference = recipe.train_reference(epochs=1)
@@ -45,10 +58,13 @@ def test_a_missing_node_times_out_with_a_clear_message(tmp_path):
 
 def test_a_crashing_worker_is_named_and_stops_every_node(tmp_path):
     start = time.time()
+    (tmp_path / "tmp").mkdir()
     proc = run([*NODES, "--nnodes", "2", "--nproc-per-node", "2", "--", LESSON,
-                "--crash-rank", "3", "--out", tmp_path], check=False, timeout=180)
+                "--crash-rank", "3", "--out", tmp_path / "out"], check=False, timeout=180,
+               env={"TMPDIR": str(tmp_path / "tmp")})
+    agents_left_nothing_in(tmp_path / "tmp")
     assert time.time() - start < 120
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert "rank 3 on node 1 failed first: RuntimeError: deliberate crash" in last
-    assert not (tmp_path / "final.pt").exists()
+    assert not (tmp_path / "out" / "final.pt").exists()

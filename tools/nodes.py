@@ -24,6 +24,7 @@ import contextlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -292,6 +293,10 @@ def main(argv: list[str]) -> None:
     folder = claim_out(job_folder(script))
     log_dir = folder / "nodes"
     log_dir.mkdir(parents=True, exist_ok=True)
+    # Each agent makes a folder of its own under $TMPDIR (torchelastic_...) and leaves it there
+    # when it exits: give them one inside the job's folder, removed when the job ends.
+    agent_tmp = log_dir / "tmp"
+    agent_tmp.mkdir(exist_ok=True)
     # the rendezvous store, on 127.0.0.1 only; we hold its port until the job ends
     store, port = host_store(LOOPBACK, args.master_port or 0, args.job_timeout)
 
@@ -315,6 +320,7 @@ def main(argv: list[str]) -> None:
                 # agent; set it the same way ourselves, quietly (the lessons then set their own
                 # thread count with torch.set_num_threads)
                 env.setdefault("OMP_NUM_THREADS", "1")
+                env["TMPDIR"] = str(agent_tmp)
                 if not args.elastic:
                     env.update(agent_client_env(port))
                 if gpus_for is not None:
@@ -337,6 +343,7 @@ def main(argv: list[str]) -> None:
                  f"for this run", code=code)
         finally:
             stop_all(procs)
+            shutil.rmtree(agent_tmp, ignore_errors=True)
             restore_terminal()
             del store
 
