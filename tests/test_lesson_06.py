@@ -10,17 +10,22 @@ NODES = [sys.executable, "tools/nodes.py"]
 LESSON = "lessons/06_torchrun_multinode.py"
 
 
-def agents_left_nothing_in(tmp: Path) -> None:
-    """torchrun's agents each make a folder under $TMPDIR and leave it behind; tools/nodes.py
-    gives them one of its own inside the job's folder and removes it when the job ends."""
-    assert list(tmp.iterdir()) == [], sorted(p.name for p in tmp.iterdir())
+def own_tmpdir(tmp_path: Path) -> dict:
+    """An empty $TMPDIR for one command. A torchrun agent makes a folder there and leaves it
+    behind (torchelastic_...); tools/nodes.py gives its agents one in the job's folder instead,
+    removed when the job ends: see left_in()."""
+    (tmp_path / "tmp").mkdir()
+    return {"TMPDIR": str(tmp_path / "tmp")}
+
+
+def left_in(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "tmp").iterdir())
 
 
 def test_make_lesson_06_runs_two_nodes_and_matches_one_device(tmp_path, reference_3_epochs):
-    (tmp_path / "tmp").mkdir()
     proc = run(["make", "-s", "lesson-06", f"ARGS=--out {tmp_path / 'out'}"], timeout=240,
-               env={"TMPDIR": str(tmp_path / "tmp")})
-    agents_left_nothing_in(tmp_path / "tmp")
+               env=own_tmpdir(tmp_path))
+    assert left_in(tmp_path) == []
     assert not (tmp_path / "out" / "nodes" / "tmp").exists()
     state, metrics = load_run(tmp_path / "out")
     assert metrics["world_size"] == 4 and metrics["nodes"] == 2
@@ -33,10 +38,9 @@ def test_make_lesson_06_runs_two_nodes_and_matches_one_device(tmp_path, referenc
 
 
 def test_plain_torchrun_standalone_and_plain_python(tmp_path):
-    (tmp_path / "tmp").mkdir()  # where this agent leaves its torchelastic_... folder
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
          LESSON, "--epochs", "1", "--out", tmp_path / "tr"], timeout=180,
-        env={"TMPDIR": str(tmp_path / "tmp")})
+        env=own_tmpdir(tmp_path))  # its torchelastic_... folder lands there, not in /tmp
     state, metrics = load_run(tmp_path / "tr")
     assert metrics["world_size"] == 3
     reference = recipe.train_reference(epochs=1)
@@ -58,11 +62,10 @@ def test_a_missing_node_times_out_with_a_clear_message(tmp_path):
 
 def test_a_crashing_worker_is_named_and_stops_every_node(tmp_path):
     start = time.time()
-    (tmp_path / "tmp").mkdir()
     proc = run([*NODES, "--nnodes", "2", "--nproc-per-node", "2", "--", LESSON,
                 "--crash-rank", "3", "--out", tmp_path / "out"], check=False, timeout=180,
-               env={"TMPDIR": str(tmp_path / "tmp")})
-    agents_left_nothing_in(tmp_path / "tmp")
+               env=own_tmpdir(tmp_path))
+    assert left_in(tmp_path) == []
     assert time.time() - start < 120
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
