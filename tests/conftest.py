@@ -147,4 +147,3 @@ def reference_13() -> dict:
     on disk by common/transformer.py so every Part 2 test shares one computation."""
     from common import transformer
     return transformer.train_reference()
-
