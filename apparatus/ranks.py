@@ -1,5 +1,5 @@
 """Start N ranks in a gloo group and get back what each one returns: how the exercise checks,
-the benchmarks and the tests start ranks (apparatus/processes.py's start_ranks, the one way
+the benchmarks and the tests start ranks (common/processes.py's start_ranks, the one way
 the package starts ranks, plus a process group; the lessons' spawn is start_ranks too).
 
     from apparatus.ranks import RankFailed, run_ranks
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from apparatus.processes import RankFailed, start_ranks  # noqa: F401  (RankFailed: for callers)
+from common.processes import RankFailed, start_ranks  # noqa: F401  (RankFailed: for callers)
 
 PRELOAD = ["torch", "torch.distributed", "common.recipe"]  # imported once, by the fork server
 
@@ -49,8 +49,8 @@ def run_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None =
     MASTER_ADDR and MASTER_PORT are set for common.distributed.env_store). timeout_s: the
     whole run, start-up included (None: no limit; every collective still has
     group_timeout_s). threads: torch threads per rank (None: torch's default).
-    Raises RankFailed (see apparatus/processes.py); KeyboardInterrupt (also for SIGTERM and
-    SIGHUP, as apparatus.processes.Stopped) after stopping every rank.
+    Raises RankFailed (see common/processes.py); KeyboardInterrupt (also for SIGTERM and
+    SIGHUP, as common.processes.Stopped) after stopping every rank.
     """
     from common.distributed import free_port
 

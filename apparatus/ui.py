@@ -198,24 +198,6 @@ def step_terminal() -> _TTY | None:
     return None
 
 
-def share_terminal_with_children() -> None:
-    """Call in a parent before mp.spawn, so that rank 0 can ask on the same terminal.
-
-    Rank 0 switches the terminal to one-key (cbreak) mode while it waits, and switches it
-    back; if it is killed meanwhile (a launcher stopping every rank), this parent restores
-    the terminal's settings when it exits, so the learner's shell still echoes.
-    """
-    if sys.stdin is not None and sys.stdin.isatty():
-        os.environ["LESSON_STEP_TTY"] = os.ttyname(sys.stdin.fileno())
-        try:
-            import atexit
-            import termios
-            fd = sys.stdin.fileno()
-            atexit.register(termios.tcsetattr, fd, termios.TCSANOW, termios.tcgetattr(fd))
-        except Exception:  # no termios (not POSIX), or not a real terminal: nothing to keep
-            pass
-
-
 def _read_answer(tty: _TTY, beat=None) -> str:
     """Wait for one key on the terminal (q quits; Enter or space goes on; other keys are
     ignored); in a group, call beat() every second (rank 0's heartbeat).

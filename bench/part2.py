@@ -5,10 +5,10 @@
               bytes of parameters, gradients and optimizer state it holds (apparatus/sharding.py)
     tp        tensor parallel on 2 ranks, lesson 17's two implementations (by hand, DTensor),
               with and without sequence parallel: the collectives of one block, counted by
-              apparatus/tensor_parallel.py and then replayed alone to time them, beside the
+              lessons/17_tensor_parallel/tensor_parallel.py and then replayed alone to time them, beside the
               time of a whole step and of one unsplit process
     pipeline  lesson 18's four schedules on 2 ranks: time per step beside the idle share the
-              schedule's own timeline predicts (apparatus/pipeline.py)
+              schedule's own timeline predicts (lessons/18_pipeline_schedules/pipeline.py)
 
 The ranks start the suite's one way (bench/run.py spawn_ranks, which is apparatus/ranks.py's
 run_ranks); this world is the whole job, so
@@ -18,6 +18,7 @@ layers that split it and the schedules are the lessons' own, imported and not co
 from __future__ import annotations
 
 import gc
+import sys
 import importlib.util
 import time
 import warnings
@@ -27,12 +28,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from apparatus import sharding
-from apparatus import tensor_parallel as TPA
 from apparatus.comm import CommLog, route_ddp_through_python
-from apparatus.pipeline import Recorder, bubble_formula, idle_fraction, timeline
 from bench.measure import Ctx, summary
 from common import transformer as T
 from common.cli import ROOT
+
+sys.path[1:1] = [str(ROOT / "lessons" / d) for d in ("17_tensor_parallel", "18_pipeline_schedules")]
+import tensor_parallel as TPA  # noqa: E402  (lesson 17's own helpers)
+from pipeline import Recorder, bubble_formula, idle_fraction, timeline  # noqa: E402  (lesson 18's)
 
 BENCHMARKS = ["fsdp", "tp", "pipeline"]
 STRATEGIES = ["ddp", "fsdp-zero3", "fsdp-zero2"]
@@ -587,14 +590,14 @@ def sections(b: dict) -> list[str]:
         out += [L("## 7. Tensor parallel: the cost of its collectives", "## 7. 张量并行：集合通信的代价"), "",
                 L("Lesson 17's split of every block on 2 ranks, by hand and with DTensor's "
                   f"[`parallelize_module`]({API}/distributed.tensor.parallel.html), with and "
-                  "without sequence parallel (SP). apparatus/tensor_parallel.py counts every "
+                  "without sequence parallel (SP). lessons/17_tensor_parallel/tensor_parallel.py counts every "
                   "collective of one training step and the block it serves; the collectives of "
                   "one block, and of the whole step, are then replayed alone with "
                   "`torch.distributed` calls of the same kinds and sizes, and timed. Beside them: "
                   "a whole step, and one process training the whole model on the whole batch.",
                   "第 17 课在 2 个秩上切分每个块，分别用手写方式和 DTensor 的 "
                   f"[`parallelize_module`]({API}/distributed.tensor.parallel.html)，并分别开启和不开启序列并行（SP）。"
-                  "apparatus/tensor_parallel.py 统计一个训练步中的每次集合通信及其所属的块；然后用同样种类和"
+                  "lessons/17_tensor_parallel/tensor_parallel.py 统计一个训练步中的每次集合通信及其所属的块；然后用同样种类和"
                   "大小的 `torch.distributed` 调用单独重放一个块的、以及整步的集合通信并计时。旁边列出完整一步"
                   "的时间，以及单个进程用整个批次训练整个模型的时间。"), "",
                 md_table(*tp_table(sec)), L(*TEACHES), ""] + tp_lines(sec) + [""]
@@ -607,12 +610,12 @@ def sections(b: dict) -> list[str]:
                   f"ranks, {sec['config']['microbatches']} micro-batches. *Idle predicted* is "
                   f"the share of rank-time the schedule's own timeline leaves idle (its recorded "
                   f"actions, a forward 1 unit, a backward 2, communication free: "
-                  f"apparatus/pipeline.py); *idle measured* is 1 - (one process's step) / "
+                  f"lessons/18_pipeline_schedules/pipeline.py); *idle measured* is 1 - (one process's step) / "
                   f"(2 x the pipeline's step), what the 2 ranks lost against splitting one "
                   f"process's work perfectly.",
                   f"第 18 课中 [`torch.distributed.pipelining`]({API}/distributed.pipelining.html) 的调度，"
                   f"2 个秩，{sec['config']['microbatches']} 个微批次。*预测空闲*是调度自己的时间线中空闲的秩时间"
-                  f"比例（按记录的动作，一次前向 1 个单位、一次反向 2 个单位、通信不计时间：apparatus/pipeline.py）；"
+                  f"比例（按记录的动作，一次前向 1 个单位、一次反向 2 个单位、通信不计时间：lessons/18_pipeline_schedules/pipeline.py）；"
                   f"*实测空闲*是 1 - （单进程一步的时间）/（2 x 流水线一步的时间），即 2 个秩相对于完美分摊单进程"
                   f"工作所损失的部分。"), "",
                 md_table(*pipeline_table(sec)), L(*TEACHES), ""] + pipeline_lines(sec) + [""]

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `import commo
 import torch
 
 from common.cli import ROOT, LessonParser, fail, positive_float, positive_int, run
-from apparatus.processes import supervise
+from common.processes import supervise
 from apparatus.ranks import RankFailed, run_ranks
 from apparatus.results import atomic_write, shown
 from apparatus.ui import UI

@@ -19,7 +19,7 @@ import socket
 import torch.distributed as dist
 
 from common import fail
-from apparatus.processes import RankFailed, die_with_parent, start_ranks, supervise  # noqa: F401
+from common.processes import RankFailed, die_with_parent, start_ranks, supervise  # noqa: F401
 
 LOOPBACK = "127.0.0.1"
 
@@ -185,7 +185,7 @@ def _lesson_rank(rank: int, world: int, fn, args: tuple) -> None:
 
 
 def spawn(fn, args: tuple, nprocs: int) -> None:
-    """mp.spawn(fn, args, nprocs, join=True), through apparatus/processes.py's start_ranks:
+    """mp.spawn(fn, args, nprocs, join=True), through common/processes.py's start_ranks:
     each rank is forked from a fork server that imports the lesson and torch once (mp.spawn
     starts a fresh Python per rank, which imports torch again). A failing rank stops the
     others, and the job ends with one short line. supervise(): Ctrl-C stops every rank."""

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Sampler, TensorDataset
 
-from common import fail
+from common import datasets, fail  # datasets imports torchvision only when it loads one
 
 SEED = 0              # initial weights and sample order
 EPOCHS = 3            # passes over the training set
@@ -89,8 +89,6 @@ def load_data(dataset: str = "synthetic", data_dir: Path | None = None,
     if dataset == "synthetic":
         train, test = synthetic_data()
         return Data(train, test, FEATURES, CLASSES, "synthetic")
-    from apparatus import datasets  # imports torchvision: only lessons that need it pay for it
-
     train, test = datasets.load_image_dataset(dataset, Path(data_dir), download)
     # Drop the tail so the training set is a multiple of the global batch: no rank pads.
     keep = len(train) - len(train) % GLOBAL_BATCH

@@ -8,7 +8,7 @@ each stage holds the activations of all m micro-batches at once before its first
 Your task: change `schedule(p, m)` into 1F1B. Stage r first runs a few forwards (warm-up),
 then alternates one forward and one backward, then finishes the backwards (cool-down), so it
 never holds more than p - r micro-batches (and never more than m). The check runs your lists
-through apparatus.pipeline.timeline, as the lesson does: every forward and backward exactly
+through pipeline.timeline, as the lesson does: every forward and backward exactly
 once, in an order that cannot wait forever, at most p - r micro-batches held on stage r, and
 idle time equal to GPipe's (p-1)/(m+p-1): 1F1B saves memory, not time.
 Hint: how many forwards must stage r run before the first backward can come back to it?

@@ -9,7 +9,7 @@ Nothing is trained and nothing is compared with lesson 01: this lesson is about 
 
 Without a GPU the lesson converts with `.double()` (the same `_apply`, the same branch
 as `.cuda()`) and with `.to("meta")` (a real change of device), and says so. The tracer that
-watches `_apply` (`trace_apply`) is an instrument, not the idea: apparatus/apply_trace.py.
+watches `_apply` (`trace_apply`) is an instrument, not the idea: lessons/02_device_internals/apply_trace.py.
 
 Run:
     make lesson-02
@@ -25,11 +25,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 02_device_internals/
 
 import torch
 import torch.nn as nn
 
-from apparatus.apply_trace import describe, trace_apply
+from apply_trace import describe, trace_apply
 from common.cli import lesson_parser, run
 from common.device import pick_device
 from apparatus.results import atomic_write, out_dir, shown

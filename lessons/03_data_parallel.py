@@ -4,7 +4,7 @@ Parent: lesson 01 (lessons/01_single_device.py)
 
 New since lesson 01: several devices, one changed line in the loop (`dp(x)`), and the five
 stages behind it: scatter, replicate, parallel forward, gather, backward's sum. Without 2 GPUs
-they run by hand on simulated CPU devices (apparatus/simulated_dp.py; load: apparatus/dp_load.py).
+they run by hand on simulated CPU devices (lessons/03_data_parallel/simulated_dp.py; load: lessons/03_data_parallel/dp_load.py).
 
 Run:
     make lesson-03
@@ -18,14 +18,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 03_data_parallel/
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from apparatus.dp_load import measure_load
-from apparatus.simulated_dp import SimulatedDataParallel, choose_devices, replica_grads, show_one_batch, stages
+from dp_load import measure_load
+from simulated_dp import SimulatedDataParallel, choose_devices, replica_grads, show_one_batch, stages
 from common import recipe
 from common.cli import lesson_parser, run
 from common.device import pick_device
@@ -112,7 +113,7 @@ def main() -> None:
     ui.print(f"test accuracy: [bold green]{final_accuracy:.1%}[/bold green] "
              f"(chance is {1 / data.classes:.0%})")
 
-    # Device 0 does more than the others: measured on a copy, stage by stage (apparatus/dp_load.py).
+    # Device 0 does more than the others: measured on a copy, stage by stage (lessons/03_data_parallel/dp_load.py).
     load = measure_load(dp, optimizer, next(iter(loader)), names, ui)
 
     # Step 6: Save the results

@@ -3,7 +3,7 @@
 Parent: lesson 01 (lessons/01_single_device.py)
 New since lesson 01: the *model* is split across two devices (`SplitMLP`: fc1, fc2 | head),
 not the batch; the loop stays lesson 01's. Then why naive model parallel leaves one device
-idle at a time, and how micro-batches (GPipe's schedule) fill the gaps (apparatus/micro_batches.py).
+idle at a time, and how micro-batches (GPipe's schedule) fill the gaps (lessons/04_model_parallel/micro_batches.py).
 
 Run:
     make lesson-04
@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 04_model_parallel/
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from apparatus.micro_batches import SPLIT, check_split, show_timelines, time_stages, two_devices
+from micro_batches import SPLIT, check_split, show_timelines, time_stages, two_devices
 from common import recipe
 from common.cli import lesson_parser, run
 from common.device import pick_device

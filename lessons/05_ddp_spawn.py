@@ -35,7 +35,8 @@ from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, mast
                                 say_each, supervise, world_rows)
 from apparatus.results import (claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown,
                             timed_single_process)
-from apparatus.ui import UI, Timer, share_terminal_with_children
+from apparatus.ui import UI, Timer
+from common.processes import share_terminal_with_children
 
 # More ranks than this on one machine teach nothing but waiting; and each rank is a whole
 # Python process with torch loaded: about 0.4 GB of memory (PSS) each, measured here.

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 07_elastic/
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, positive_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import die_with_parent, env_store, free_port, say_each
-from apparatus.elastic import (SNAPSHOT_FORMAT, Ledger, fail_plan, kill_myself, nonnegative_float,
+from elastic import (SNAPSHOT_FORMAT, Ledger, fail_plan, kill_myself, nonnegative_float,
                                read_snapshot, resumed)
 from apparatus.results import (atomic_write, claim_out, make_metrics, max_abs_diff, out_dir,
                                plain_state_dict, save_results, shown, timed_single_process)

@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 08_no_sync_accumulation/
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from apparatus import accumulation
+import accumulation
 from apparatus.comm import CommLog, counted_ddp
 from common import recipe
 from common.cli import fail, lesson_parser, positive_float, positive_int, run
@@ -37,7 +38,8 @@ from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, master_address,
                                 say_each, supervise, world_rows)
 from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
-from apparatus.ui import UI, Timer, share_terminal_with_children
+from apparatus.ui import UI, Timer
+from common.processes import share_terminal_with_children
 
 # More ranks than this on one machine teach nothing but waiting; and each rank is a whole
 # Python process with torch loaded: about 0.4 GB of memory (PSS) each, measured here.
@@ -227,7 +229,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     wall = timer.seconds
 
     # Step 7: Compare with naive accumulation and two mistakes
-    # The loop of Step 6 on fresh models, one thing changed each (apparatus/accumulation.py): no
+    # The loop of Step 6 on fresh models, one thing changed each (lessons/08_no_sync_accumulation/accumulation.py): no
     # no_sync; no_sync around the forward only, or the backward only (DDP decides at
     # *forward* time whether backward syncs); no `/ accum`; a step after every micro-batch.
     ui.step(7, "Compare with naive accumulation and two mistakes")

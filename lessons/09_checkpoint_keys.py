@@ -5,7 +5,7 @@ Parent: lesson 05 (lessons/05_ddp_spawn.py)
 New since lesson 05: saving and loading. Rank 0 saves the DDP model itself, a plain model
 refuses the file (`module.fc1.weight` is not `fc1.weight`), three fixes (and why
 `k.replace("module.", "")` is a bug), every wrapper's prefix and one loader for all of them
-(load_into), map_location and weights_only=True (apparatus/checkpoint_keys.py shows these);
+(load_into), map_location and weights_only=True (lessons/09_checkpoint_keys/checkpoint_keys.py shows these);
 last, lesson 05's rule made visible: rank 0 writes, a barrier, every rank loads.
 
 Run:
@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 09_checkpoint_keys/
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from apparatus import checkpoint_keys as shown_keys
+import checkpoint_keys as shown_keys
 from common import recipe
 from apparatus.state_dicts import load_into
 from common.cli import fail, lesson_parser, run
@@ -41,7 +42,8 @@ from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, mast
                                 say_each, supervise, world_rows)
 from apparatus.results import (claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict,
                             save_results, shown)
-from apparatus.ui import UI, Timer, share_terminal_with_children
+from apparatus.ui import UI, Timer
+from common.processes import share_terminal_with_children
 
 # More ranks than this on one machine teach nothing but waiting; and each rank is a whole
 # Python process with torch loaded: about 0.4 GB of memory (PSS) each, measured here.
@@ -241,7 +243,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     # DataParallel keeps the model in `.module` too, torch.compile in `._orig_mod`, and
     # wrappers nest. apparatus/state_dicts.py's load_into(model, source) unwraps the target,
     # strips wrapper prefixes (at the start of a key, while every key has one) and loads
-    # strictly; apparatus/checkpoint_keys.py tries every pair, weight by weight.
+    # strictly; lessons/09_checkpoint_keys/checkpoint_keys.py tries every pair, weight by weight.
     ui.step(9, "Wrappers in wrappers, and one loader for all: load_into")
     if rank == 0:
         make = shown_keys.maker(args.seed, data, device)  # make(k): a fresh model, seed + k

@@ -15,7 +15,7 @@ server's rank 0 moves (N-1)*S in and out, a ring rank 2(N-1)/N*S.
 
 It opens its own topic (all-reduce by hand), so it names no parent lesson. What only checks
 flags, prints or measures (the byte tables, the ring picture, the timing table, the timeout
-message) is in apparatus/allreduce.py.
+message) is in lessons/10_allreduce_algorithms/allreduce.py.
 
 Run:
     make lesson-10
@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 10_allreduce_algorithms/
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from common.cli import lesson_parser, nonnegative_int, positive_int, run
 from common.distributed import choose_port, env_store, spawn, teardown
 from apparatus.results import atomic_write, out_dir, shown
 from apparatus.ui import UI
-from apparatus.allreduce import (FLOAT_BYTES, check_args, draw_ring, explain_timeout, show_bytes,
+from allreduce import (FLOAT_BYTES, check_args, draw_ring, explain_timeout, show_bytes,
                                  show_checks, show_totals, size_list, timing_table)
 
 PICTURE_RANKS = 4    # the ring picture stays readable up to 4 ranks
@@ -60,7 +61,7 @@ def parse_args():
                         help="a broken mode: this rank skips its part of the ring, and its "
                              "neighbours wait for it until --timeout ends the job")
     args = parser.parse_args()
-    check_args(args)  # 2..8 ranks, a real --skip-rank, no --device cuda (apparatus/allreduce.py)
+    check_args(args)  # 2..8 ranks, a real --skip-rank, no --device cuda (lessons/10_allreduce_algorithms/allreduce.py)
     return args
 
 
@@ -292,7 +293,7 @@ def worker(rank: int, world_size: int, args) -> None:
     # slowest rank (MAX over ranks), and we keep the median call. "busiest rank" is the
     # largest number of bytes one rank sent, measured by Wire; dist.all_reduce does its
     # own sending inside gloo, where we cannot count it. The timing loop and the table are
-    # measurement, not the idea: apparatus/allreduce.py (time_cell, timing_table).
+    # measurement, not the idea: lessons/10_allreduce_algorithms/allreduce.py (time_cell, timing_table).
     ui.step(6, "Time all three for several N and S")
     algorithms = {"server": server_all_reduce, "ring": ring_all_reduce,
                   "dist.all_reduce": None}  # None: gloo's own, run as dist.all_reduce

@@ -12,7 +12,7 @@ accuracy each reaches.
 It opens its own topic (when updates land, not how gradients travel), so it names no parent
 lesson. What only checks flags, measures or prints (the flag rules, the best-case bounds, the
 per-worker statistics and tables, the straggler's error message, metrics.json) is in
-apparatus/sync_async.py.
+lessons/11_sync_vs_async/sync_async.py.
 
 Run:
     make lesson-11
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 11_sync_vs_async/
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ from common.cli import lesson_parser, nonnegative_int, positive_float, run
 from common.distributed import choose_port, env_store, spawn, teardown
 from apparatus.results import out_dir
 from apparatus.ui import UI
-from apparatus.sync_async import (check_args, clock, compare, explain_straggler, record,
+from sync_async import (check_args, clock, compare, explain_straggler, record,
                                   replica_spread, save, shared_stats, show_bounds, summarise,
                                   wait_at)
 

@@ -65,7 +65,7 @@ from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, positive_int, run
 from common.distributed import choose_port, spawn, teardown
 from apparatus.results import atomic_write, out_dir, shown
-from apparatus.ui import UI, Timer, share_terminal_with_children
+from apparatus.ui import UI, Timer
 from kit import collective, first_line, leave
 
 # Steps 3-9, each one file in lessons/12_pitfalls/; Steps 1, 2 and 10 are in this file.
@@ -150,7 +150,6 @@ def main() -> None:
     debug = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
     ui.print(f"spawn(worker, nprocs={args.world_size}); collectives time out after "
              f"{args.timeout:g}s; TORCH_DISTRIBUTED_DEBUG={debug}")
-    share_terminal_with_children()  # --step: rank 0 asks on this terminal
     ui.pause(next_step=(2, "Join the process group with a short timeout"))
 
     timer = Timer()

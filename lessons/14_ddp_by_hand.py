@@ -34,7 +34,7 @@ from common.cli import fail, lesson_parser, positive_float, positive_int, run, s
 from common.device import backend_for, plan_device, rank_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
 from apparatus.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
-from apparatus.ui import UI, Timer, share_terminal_with_children
+from apparatus.ui import UI, Timer
 
 
 def parse_args():
@@ -103,7 +103,6 @@ def main() -> None:
         fail(f"--world-size must divide the {T.GLOBAL_BATCH} rows of a batch: use 1, 2, 3, 4, 6, 8, ...")
     kind, note = plan_device(args.device, args.world_size)  # one GPU per rank, or the CPU
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
-    share_terminal_with_children()  # --step: rank 0 asks on this terminal (lesson 05)
     spawn(worker, (args.world_size, args, kind, note), args.world_size)
 
 

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 16_distributed_checkpoint/
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from apparatus.memory import SavedTensors, formula_bytes, mib, seconds
 from apparatus import sharding
-from apparatus import checkpointing
+import checkpointing
 from common import transformer as T
 from apparatus.state_dicts import load_into
 from common.cli import lesson_parser, positive_int, run, seed_number

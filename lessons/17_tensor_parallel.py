@@ -23,12 +23,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 17_tensor_parallel/
 
 import torch
 from torch.distributed.tensor import Replicate, Shard, init_device_mesh, parallel as tp
 from torch.utils.checkpoint import checkpoint
 
-from apparatus import tensor_parallel as A
+import tensor_parallel as A
 from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_bytes
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
@@ -71,7 +72,7 @@ class Comm(torch.autograd.Function):
 
 
 # (forward, backward): each pair's forward is the other's backward. The collectives are
-# plain torch.distributed calls (apparatus/tensor_parallel.py); sequence ones act on dim 1.
+# plain torch.distributed calls (lessons/17_tensor_parallel/tensor_parallel.py); sequence ones act on dim 1.
 PAIRS = {"f": (lambda x: x, A.all_reduce), "g": (A.all_reduce, lambda x: x),  # tensor parallel, and
          "f_sp": (A.all_gather, A.reduce_scatter), "g_sp": (A.reduce_scatter, A.all_gather),  # sequence
          "split": (A.split, A.all_gather), "gather": (A.all_gather, A.split)}  # parallel
@@ -262,7 +263,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
 
     # Step 10: Count the collectives
     # One training step of a fresh split model, each collective recorded with the block that
-    # called it, forward or backward, and its bytes (apparatus/tensor_parallel.py).
+    # called it, forward or backward, and its bytes (lessons/17_tensor_parallel/tensor_parallel.py).
     ui.step(10, "Count the collectives")
     counts = A.count_step(split_model, rank, world, args, device, ui)
 

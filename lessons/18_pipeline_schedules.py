@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 18_pipeline_schedules/
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from torch.distributed import pipelining as pp
 from torch.utils.checkpoint import checkpoint
 
 from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_bytes
-from apparatus.pipeline import Recorder, check_flags, describe, metrics_of, show_schedule, summary_table
+from pipeline import Recorder, check_flags, describe, metrics_of, show_schedule, summary_table
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device

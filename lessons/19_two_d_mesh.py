@@ -5,7 +5,7 @@ Parent: lesson 15 (lessons/15_zero_fsdp.py)
 New since lesson 15: the ranks form a 2-D DeviceMesh ("dp", "tp"), D x T. Each block is
 split across tp (lesson 17), then fully_shard shards what each rank holds across dp. The
 batch is split across dp only. Measured: who talks to whom, the bytes each dimension sends
-beside the planner's formulas (apparatus/planner.py: --plan 7e9 prints a real job's table).
+beside the planner's formulas (lessons/19_two_d_mesh/planner.py: --plan 7e9 prints a real job's table).
 
 Kept from lesson 13 (its steps, now on every rank): the Part 2 recipe, a small decoder-only
 transformer trained with AdamW on token sequences from a Markov chain whose best possible
@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 19_two_d_mesh/
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ from torch.distributed.tensor import Replicate, parallel as tp
 from torch.utils.checkpoint import checkpoint
 
 from apparatus.memory import SavedTensors, formula_bytes, mib, seconds
-from apparatus import planner, sharding
+from apparatus import sharding
+import planner
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, pick_device, plan_device
@@ -70,7 +72,7 @@ def forward_checkpointed(model, x):
 def main() -> None:
     args = parse_args()
     ui = UI(step_mode=args.step)
-    if args.plan is not None:  # the planner alone: formulas, no processes (apparatus/planner.py)
+    if args.plan is not None:  # the planner alone: formulas, no processes (lessons/19_two_d_mesh/planner.py)
         return planner.show_plan(ui, args)
     ui.title(f"Lesson 19: a {args.dp} x {args.tp} mesh (dp x tp) on {args.world_size} ranks")
 

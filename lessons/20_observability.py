@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 20_observability/
 
 import torch
 import torch.distributed as dist
@@ -33,14 +34,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils.data import DataLoader, DistributedSampler
 
-from apparatus import trace
+import traces as trace
 from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, master_address,
                                 say_each, supervise, world_rows)
 from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
-from apparatus.ui import UI, Timer, share_terminal_with_children
+from apparatus.ui import UI, Timer
+from common.processes import share_terminal_with_children
 
 MAX_WORLD = 16  # more ranks than this on one machine teaches nothing but waiting
 BUCKET_CAP_MB = 0.001  # ~1 KB buckets: our 22 KB MLP gets 3 buckets (DDP's default, 25 MB, gives 1)
@@ -300,7 +302,7 @@ def read_back(ui, args, folder) -> None:
     # the page runs in your browser) or chrome://tracing. Here we read it back: per profiled
     # step, when backward ran and when each all-reduce ran on the backend's own threads.
     ui.step(9, "Read the trace")
-    trace.report_traces(ui, folder, args.world_size)  # apparatus/trace.py: the tables
+    trace.report_traces(ui, folder, args.world_size)  # lessons/20_observability/traces.py: the tables
 
     # Step 10: Read the flight recorder
     # Every rank dumped its recorder (at the end, or when a collective timed out). Ranks

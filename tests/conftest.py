@@ -14,6 +14,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# the lessons' own folders (lessons/NN_topic/), for their helpers: `import pipeline`
+sys.path[1:1] = [str(d) for d in sorted((ROOT / "lessons").glob("[0-9][0-9]_*/")) if d.name != "12_pitfalls"]
 # OpenMP threads that wait for work sleep instead of spinning: `make test` runs several
 # multi-rank jobs on few cores at once, and spinning threads took CPU from the ranks that had
 # work (measured: 3 jobs at once on 2 cores ended in 26-29 s instead of 31). It changes no

@@ -14,8 +14,8 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 @pytest.fixture(scope="module")
 def lesson():
     """The hand-written stages the lesson runs on simulated devices (its companion module)."""
-    import apparatus.simulated_dp
-    return apparatus.simulated_dp
+    import simulated_dp
+    return simulated_dp
 
 
 def test_default_run_matches_lesson_01(tmp_path, reference_3_epochs):

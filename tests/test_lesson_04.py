@@ -24,8 +24,8 @@ def lesson():
 @pytest.fixture(scope="module")
 def pipe():
     """The lesson's companion: micro-batches, the schedule replay and the timeline."""
-    import apparatus.micro_batches
-    return apparatus.micro_batches
+    import micro_batches
+    return micro_batches
 
 
 def test_default_run_matches_lesson_01_and_pipelining_helps(tmp_path, reference_3_epochs):

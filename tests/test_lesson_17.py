@@ -93,7 +93,7 @@ def _rank_variants(rank: int, world: int, steps: int) -> dict:
 
     import torch
 
-    from apparatus import tensor_parallel as A
+    import tensor_parallel as A
     from common import transformer as T
 
     spec = importlib.util.spec_from_file_location("lesson_17", str(lesson_path("17")))
@@ -166,7 +166,7 @@ def test_each_rank_holds_one_nth_of_the_split_weights(worlds, world):
 
 
 def test_world_size_and_impl_are_checked(monkeypatch, capsys):
-    from apparatus import tensor_parallel as A
+    import tensor_parallel as A
     with pytest.raises(SystemExit) as exit_info:
         A.check_world_size(3)
     assert exit_info.value.code == 2

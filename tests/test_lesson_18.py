@@ -1,7 +1,7 @@
 """Lesson 18: pipeline schedules. One 2-rank run of the lesson (1F1B, the default) and one
 4-rank run (zero-bubble, fewer steps) through its launcher feed most assertions; every schedule
 is also run for one batch on 4 ranks, its gradients against one process's; the timeline
-arithmetic of apparatus/pipeline.py is checked against the formula on its own."""
+arithmetic of lessons/18_pipeline_schedules/pipeline.py is checked against the formula on its own."""
 import json
 import re
 import sys
@@ -15,7 +15,7 @@ from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, r
 sys.path.insert(0, str(ROOT / "tools"))
 from check_exercise import run_world  # noqa: E402  (the harness's way to start N ranks)
 
-from apparatus import pipeline as P  # noqa: E402
+import pipeline as P  # noqa: E402
 
 M = 4  # the lesson's default --microbatches
 P4_STEPS = 20

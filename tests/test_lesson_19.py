@@ -12,7 +12,9 @@ import math
 
 import pytest
 
-from apparatus import pipeline, planner, sharding
+from apparatus import sharding
+import pipeline
+import planner
 from common import transformer as T
 from conftest import import_lesson, load_run, max_abs_diff, parse_error, run_lesson
 

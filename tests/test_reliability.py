@@ -426,7 +426,7 @@ def test_bad_snapshot_fields_are_refused(tmp_path):
 
 
 def test_a_crafted_cifar_batch_does_not_run_code(tmp_path, capsys):
-    from apparatus.datasets import load_cifar10
+    from common.datasets import load_cifar10
     from test_datasets import write_cifar10
     write_cifar10(tmp_path)
     marker = tmp_path / "PWNED"
@@ -470,7 +470,7 @@ def silent_proxy():
 
 @pytest.mark.parametrize("name", ["cifar10", "mnist"])
 def test_a_download_that_never_answers_gives_up(tmp_path, capsys, monkeypatch, silent_proxy, name):
-    from apparatus import datasets
+    from common import datasets
     for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         monkeypatch.setenv(var, silent_proxy)
     monkeypatch.delenv("no_proxy", raising=False)

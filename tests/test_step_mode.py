@@ -159,8 +159,6 @@ def _fr_worker(rank: int, out: str) -> None:
 
 if __name__ == "__main__":  # python tests/test_step_mode.py OUT: 2 ranks, 3 steps, --step on
     from common.distributed import LOOPBACK, free_port, spawn
-    from apparatus.ui import share_terminal_with_children
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()),
                       TORCH_FR_BUFFER_SIZE="100")  # the flight recorder is on from the start
-    share_terminal_with_children()
     spawn(_fr_worker, (sys.argv[1],), 2)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# the lessons' own folders (lessons/NN_topic/), for their helpers: `import pipeline`
+sys.path[1:1] = [str(d) for d in sorted((ROOT / "lessons").glob("[0-9][0-9]_*/")) if d.name != "12_pitfalls"]
 
 from common.cli import fail  # noqa: E402
 
@@ -135,7 +137,7 @@ def main(argv: list[str]) -> None:
         print("not yet: the exercise did not finish in time (does something wait forever?)")
         raise SystemExit(1)
     except KeyboardInterrupt as exc:  # Ctrl-C; SIGTERM or SIGHUP while ranks run
-        from apparatus.processes import signal_name
+        from common.processes import signal_name
         name, code = signal_name(exc)
         fail(f"interrupted ({name}): the check was stopped, and every rank it had started",
              code=code)

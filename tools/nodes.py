@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.cli import LessonParser, fail, nonnegative_int, port_number, positive_float, positive_int  # noqa: E402
 from common.distributed import LOOPBACK, host_store  # noqa: E402
-from apparatus.processes import (restore_terminal, set_parent_death_signal,  # noqa: E402
+from common.processes import (restore_terminal, set_parent_death_signal,  # noqa: E402
                                  signal_name, stop_signals)
 from apparatus.results import LOCK_ENV, claim_out, out_dir  # noqa: E402
 

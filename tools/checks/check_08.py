@@ -20,7 +20,7 @@ def _rank_08(rank: int, world: int, path: str, accums: tuple, steps: int) -> lis
     train it, once for each number of micro-batches per step in `accums`."""
     import torch
 
-    from apparatus.accumulation import syncs
+    from accumulation import syncs
     from apparatus.comm import CommLog, counted_ddp
     from check_exercise import load
     from common import recipe

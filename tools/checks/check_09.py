@@ -20,7 +20,7 @@ def _rank_09(rank: int, world: int, path: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # Lesson 09's own model (Step 8): keys stem.submodule.*, block.module.*, head.*
-    from apparatus.checkpoint_keys import TinyNet
+    from checkpoint_keys import TinyNet
     from check_exercise import NotYet, load
 
     module = load(Path(path))

@@ -4,7 +4,7 @@ The learner's parallel_mlp runs a small MLP (width 8, hidden 16) split over 2 an
 on gloo: each rank holds its rows of fc (column-parallel) and the matching columns of proj
 (row-parallel). Every rank gets the same input; the output, the input's gradient and each
 shard's gradient are compared with one process running the whole MLP, and the collectives of
-one forward and one backward are counted (apparatus/tensor_parallel.py's counter).
+one forward and one backward are counted (lessons/17_tensor_parallel/tensor_parallel.py's counter).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _rank_17(rank: int, world: int, path: str) -> dict:
     import torch.nn.functional as F
     from torch.distributed._tools.mod_tracker import ModTracker
 
-    from apparatus.tensor_parallel import CountCollectives
+    from tensor_parallel import CountCollectives
     from check_exercise import load
 
     module = load(Path(path))

@@ -1,7 +1,7 @@
 """Check exercise 18: the learner's 1F1B action lists, run through lesson 18's timeline.
 
 For several (p ranks, m micro-batches), schedule(p, m) must give every rank its own stage's
-forwards and backwards, each micro-batch once; apparatus.pipeline.timeline must be able to
+forwards and backwards, each micro-batch once; pipeline.timeline must be able to
 run them (no rank waits forever); stage r may hold at most min(p - r, m) micro-batches at once
 (counted along its list: +1 per forward, -1 per backward); and the idle time must be
 (p-1)/(m+p-1), as GPipe's.
@@ -16,7 +16,7 @@ CASES = [(2, 4), (4, 8), (4, 4), (3, 6), (4, 2), (2, 1)]
 
 def check(path: Path) -> str:
     """1F1B: every action once, no deadlock, at most p - r held on stage r, GPipe's idle time."""
-    from apparatus import pipeline as P
+    import pipeline as P
     from check_exercise import NotYet, load
 
     module = load(path)

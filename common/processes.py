@@ -11,6 +11,7 @@ tests) and tools/nodes.py. Not the lessons' idea, so it lives here.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -150,6 +151,24 @@ def restore_terminal(end_line: bool = False) -> None:
                 return
 
 
+def share_terminal_with_children() -> None:
+    """Call in a parent before starting ranks, so that rank 0 can ask on the same terminal
+    (start_ranks calls it; lesson 05 calls it itself before mp.spawn).
+
+    Rank 0 switches the terminal to one-key (cbreak) mode while it waits, and switches it
+    back; if it is killed meanwhile (a launcher stopping every rank), this parent restores
+    the terminal's settings when it exits, so the learner's shell still echoes.
+    """
+    if sys.stdin is not None and sys.stdin.isatty():
+        os.environ["LESSON_STEP_TTY"] = os.ttyname(sys.stdin.fileno())
+        try:
+            import termios
+            fd = sys.stdin.fileno()
+            atexit.register(termios.tcsetattr, fd, termios.TCSANOW, termios.tcgetattr(fd))
+        except Exception:  # no termios (not POSIX), or not a real terminal: nothing to keep
+            pass
+
+
 class RankFailed(Exception):
     """A rank of start_ranks() failed. kind: "raised" (error: the exception's type name, text:
     its message, frames: (file, line) of its traceback, code: a SystemExit's code), "died"
@@ -255,6 +274,7 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
     else:
         ctx = multiprocessing.get_context("spawn")  # as mp.spawn does
     results = ctx.Queue()
+    share_terminal_with_children()  # --step: rank 0 asks on our terminal, in every lesson
     environ = dict(os.environ)
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, world, environ, target, args, threads, results))

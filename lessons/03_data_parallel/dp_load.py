@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from apparatus.simulated_dp import (SimulatedDataParallel, parallel_apply_by_hand, replicate_by_hand,
+from simulated_dp import (SimulatedDataParallel, parallel_apply_by_hand, replicate_by_hand,
                                     scatter_by_hand, stages)
 from common import recipe
 
