@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common import ROOT, fail
+
 SEED = 0              # initial weights and the batches
 STEPS = 120           # optimizer steps
 GLOBAL_BATCH = 48     # sequences per optimizer step, summed over all ranks
@@ -203,6 +205,17 @@ def shard(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return rows[rank * n:(rank + 1) * n]
 
 
+def check_world_size(n: int, named: str, most: int = 8, divides: dict[str, int] | None = None) -> None:
+    """The one world-size rule of Part 2: n ranks split the GLOBAL_BATCH rows into equal
+    shares (at most `most` ranks on one machine); `divides` adds what else n must split,
+    e.g. {"attention heads": N_HEADS} for tensor parallel. One line and exit 2 otherwise."""
+    needs = {f"global batch of {GLOBAL_BATCH} rows": GLOBAL_BATCH, **(divides or {})}
+    if n < 1 or n > most or any(size % n for size in needs.values()):
+        ok = [str(d) for d in range(1, most + 1) if all(size % d == 0 for size in needs.values())]
+        fail(f"{named} must divide the {' and the '.join(needs)} and be at most {most} "
+             f"on one machine: use one of {', '.join(ok)}")
+
+
 # --- the single-process reference ------------------------------------------------------
 
 def _train(seed: int, steps: int, chunks: int) -> dict[str, torch.Tensor]:
@@ -238,8 +251,6 @@ def train_reference(seed: int = SEED, steps: int = STEPS, chunks: int = 1) -> di
     Computed on the CPU with one thread, once: cached in runs/reference-13/ (keyed by the
     arguments and this file's source), written atomically, read with weights_only=True.
     """
-    from common import ROOT
-
     source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
     path = ROOT / "runs" / "reference-13" / f"seed{seed}-steps{steps}-chunks{chunks}-{source}.pt"
     if path.exists():

@@ -186,8 +186,9 @@ def test_a_child_lesson_links_its_parent_diff(tmp_path):
     diff = (site.out / "13_child.diff.html").read_text()
     assert re.search(r'<span class="line add">.*NEW_IDEA', diff)
     counts = re.search(r"(\d+) lines added, (\d+) removed", diff)
-    changed = lesson_diff.changed_lines(tmp_path / "lessons" / "01_single_device.py", tmp_path / "lessons" / "13_child.py")
-    assert "make diff TO=13" in diff and counts and int(counts[1]) + int(counts[2]) == changed == 5
+    added = lesson_diff.added_lines(tmp_path / "lessons" / "01_single_device.py", tmp_path / "lessons" / "13_child.py")
+    assert "make diff TO=13" in diff and counts and int(counts[1]) == added
+    assert int(counts[1]) + int(counts[2]) == 5
     assert 'href="zh/13_child.diff.html"' in diff
     assert (site.out / "zh" / "13_child.diff.html").exists()
 

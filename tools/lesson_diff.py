@@ -41,10 +41,11 @@ def parent_of(path: Path) -> str | None:
     return match[1] if match else None
 
 
-def changed_lines(a: Path, b: Path) -> int:
-    """Lines added plus lines removed from a to b, as `diff` counts them."""
+def added_lines(a: Path, b: Path) -> int:
+    """Lines of b that are not in a, as `diff` counts them: what lesson b adds to lesson a.
+    (What b drops of a, the parent's own demonstrations, costs nothing.)"""
     diff = difflib.unified_diff(a.read_text().splitlines(), b.read_text().splitlines(), n=0, lineterm="")
-    return sum(1 for l in diff if l[:1] in "+-" and not l.startswith(("+++", "---")))
+    return sum(1 for l in diff if l.startswith("+") and not l.startswith("+++"))
 
 
 def main(argv: list[str]) -> None:
