@@ -12,7 +12,7 @@ through pipeline.timeline, as the lesson does: every forward and backward exactl
 once, in an order that cannot wait forever, at most p - r micro-batches held on stage r, and
 idle time equal to GPipe's (p-1)/(m+p-1): 1F1B saves memory, not time.
 Hint: how many forwards must stage r run before the first backward can come back to it?
-Lesson 18, Step 10 (the 1f1b timeline), and docs/18_pipeline_schedules.md.
+Lesson 18, Step 6 (the 1f1b timeline), and docs/18_pipeline_schedules.md.
 
 Check it:  make check-18
 """

@@ -6,11 +6,9 @@ New since lesson 13 (grown out of lesson 04's hand-made pipeline): the transform
 stages on P processes, run by torch.distributed.pipelining on M micro-batches per batch with
 GPipe, 1F1B, Interleaved1F1B or a zero-bubble schedule. Each schedule's timeline, drawn from
 the actions it ran; its idle time (the bubble) beside (p-1)/(m+p-1); the micro-batches a
-stage holds at once. It ends with lesson 13's weights. Then, as lesson 13, we count the
-memory, because
-that is why anyone shards a model: parameters, gradients and AdamW state beside the formula
-(4 + 4 + 8 bytes per parameter), the activations autograd saves for backward, and two ways to
-shrink those: activation checkpointing per block and bf16 autocast.
+stage holds at once, which is the memory a schedule costs. It ends with lesson 13's weights.
+
+Kept from lesson 13: its recipe, data, loop and evaluation; its memory steps stay there.
 
 Run:
     make lesson-18
@@ -30,9 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson
 import torch
 import torch.distributed as dist
 from torch.distributed import pipelining as pp
-from torch.utils.checkpoint import checkpoint
 
-from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_bytes
 from pipeline import Recorder, check_flags, describe, metrics_of, show_schedule, summary_table
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
@@ -58,15 +54,6 @@ def parse_args():
     parser.add_argument("--microbatches", type=positive_int, default=4,
                         help="micro-batches per batch (M): each stage works on one at a time")
     return parser.parse_args()
-
-
-def forward_checkpointed(model, x):
-    """model(x), except that each block keeps only its input for backward: autograd
-    recomputes the block's forward during backward to get the rest back."""
-    x = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1], device=x.device))
-    for block in model.blocks:
-        x = checkpoint(block, x, use_reentrant=False)
-    return model.head(model.norm(x))
 
 
 def stage_model(model, stage, n_stages):
@@ -110,10 +97,10 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui = UI(rank, world, step_mode=args.step)
     ui.title(f"Lesson 18: pipeline schedules on {world} processes" + (f" ({note})" if note else ""))
 
-    # Step 1: Choose the device
+    # Step 1: Choose this rank's device and join the process group
     # One thread on the CPU: bitwise reproducible (the reference is computed the same way),
     # and in the next lessons several ranks share the cores anyway.
-    ui.step(1, "Choose the device")
+    ui.step(1, "Choose this rank's device and join the process group")
     device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -136,9 +123,9 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui.print(f"loss of uniform guessing: ln {T.VOCAB} = {torch.tensor(T.VOCAB).log():.4f}; "
              f"the floor (best possible): {floor:.4f} nats/token")
 
-    # Step 3: Build the model and move it to the device
+    # Step 3: Cut the model into pipeline stages
     # Every rank builds the whole model from the same seed, then keeps only its stages' pieces.
-    ui.step(3, "Build the model and move it to the device")
+    ui.step(3, "Cut the model into pipeline stages")
     model = T.make_model(args.seed).to(device)
     schedule, stages, parts = build_pipeline(args.schedule, model, rank, world, args.microbatches, device)
     mine = torch.nn.ModuleList(parts)  # this rank's stages: all it trains
@@ -148,10 +135,10 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
              f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}")
     say_each(ui, describe(stages, parts))  # which pieces each rank holds
 
-    # Step 4: Train
+    # Step 4: Train with a pipeline schedule
     # The same loop as lesson 01, with a new batch every step instead of epochs.
     # The schedule runs forward and backward of all M micro-batches; the loss is on the last rank.
-    ui.step(4, "Train")
+    ui.step(4, "Train with a pipeline schedule")
     losses: list[float] = []
     timer = Timer()
     log_every = max(1, args.steps // 5)
@@ -194,97 +181,38 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
 
-    # Step 6: Count parameters, gradients and optimizer state
-    # Read off the tensors themselves, beside the formula. AdamW keeps two numbers per
-    # parameter (exp_avg, exp_avg_sq): the optimizer state is twice the model.
-    ui.step(6, "Count parameters, gradients and optimizer state")
-    # A rank holds only its stages' share (here rank 0's).
-    n_params = sum(p.numel() for p in mine.parameters())
-    held = state_bytes(mine, optimizer)
-    fp32, mixed = formula_bytes(n_params), formula_bytes(n_params, mixed=True)
-    ui.table(f"Bytes held for {n_params:,} parameters", ["", "measured", "fp32 formula",
-             "per parameter", "mixed precision (ZeRO paper)"],
-             [[k, f"{held[k]:,}", f"{fp32[k]:,}", held[k] // n_params, f"{mixed[k]:,}"]
-              for k in held] + [["total", f"{sum(held.values()):,}", f"{sum(fp32.values()):,}",
-                                 sum(held.values()) // n_params, f"{sum(mixed.values()):,}"]])
-
-    # Step 7: Measure the activations
-    # Autograd keeps some tensors of the forward pass until backward needs them. The
-    # saved_tensors_hooks in apparatus/memory.py see each one as it is saved.
-    ui.step(7, "Measure the activations")
-    with SavedTensors(model) as plain:
-        loss_plain = T.loss_fn(model(x), y)
-    ui.print(f"one batch of {x.numel():,} tokens saves {mib(plain.bytes)} of activations "
-             f"({plain.bytes / held['parameters']:.1f}x the parameters)")
-
-    # Step 8: Activation checkpointing
-    # Keep only each block's input; recompute the rest in backward. Same numbers, less
-    # memory, one extra forward of every block per step.
-    ui.step(8, "Activation checkpointing")
-    with SavedTensors(model) as ckpt:
-        loss_ckpt = T.loss_fn(forward_checkpointed(model, x), y)
-    ui.print(f"saved for backward: {mib(plain.bytes)} plain -> {mib(ckpt.bytes)} checkpointed; "
-             f"loss {loss_plain.item():.6f} vs {loss_ckpt.item():.6f}")
-    retrain = T.make_model(args.seed).to(device)  # a fresh run: do the losses stay the same?
-    retrain_opt = T.make_optimizer(retrain)
-    k = min(10, args.steps)
-    ckpt_losses = []
-    for step in range(k):
-        xb, yb = (t.to(device) for t in T.batch(step, args.seed))
-        loss = T.loss_fn(forward_checkpointed(retrain, xb), yb)
-        retrain_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        retrain_opt.step()
-        ckpt_losses.append(loss.item())
-    ui.print(f"first {k} training losses identical with and without checkpointing: "
-             f"{ckpt_losses == T.train_reference(args.seed, args.steps)['losses'][:k].tolist()}")
-    t_plain = seconds(lambda: T.loss_fn(model(x), y).backward())
-    t_ckpt = seconds(lambda: T.loss_fn(forward_checkpointed(model, x), y).backward())
-    ui.print(f"forward + backward: {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
-             f"checkpointed ({t_ckpt / t_plain - 1:+.0%}: the recomputed forward)")
-
-    # Step 9: bf16 autocast
-    # Matmuls run in bfloat16 (2 bytes) while LayerNorm and the loss stay in float32.
-    ui.step(9, "bf16 autocast")
-    with SavedTensors(model) as bf16, torch.autocast(device.type, dtype=torch.bfloat16):
-        loss_bf16 = T.loss_fn(model(x), y)
-    ui.print(f"activations: {mib(plain.bytes)} fp32 -> {mib(bf16.bytes)} under bf16 autocast "
-             f"(+ {mib(bf16.weight_copy_bytes)} of bf16 weight copies autocast saved too)")
-    ui.print(f"loss: {loss_plain.item():.6f} fp32, {loss_bf16.item():.6f} bf16 "
-             f"(difference {abs(loss_bf16.item() - loss_plain.item()):.1e})")
-
-    # Step 10: Draw each schedule's timeline, compare the weights
-    # Each schedule runs one batch on fresh stages; the timeline is drawn from the actions each
-    # rank ran (1 unit per forward, 2 per backward), with the micro-batches each stage held.
+    # Step 6: Draw each schedule's timeline and what its stages hold
+    # Each schedule runs one batch on fresh stages: its timeline (1 unit per forward, 2 per
+    # backward), and the micro-batches whose activations each stage holds until their backward.
     x, y = (t.to(device) for t in T.batch(0, args.seed))
-    ui.step(10, "Draw each schedule's timeline, compare the weights")
+    ui.step(6, "Draw each schedule's timeline and what its stages hold")
     folder, runs = out_dir("18", args.out), {}
     for name in SCHEDULES:
         sched, st, _ = build_pipeline(name, model, rank, world, args.microbatches, device)
-        with Recorder(st) as rec:  # which action ran when, what each stage held (apparatus)
+        with Recorder(st) as rec:  # which action ran when, what each stage held (pipeline.py)
             sched.step(x, target=y)
         runs[name] = show_schedule(ui, name, rec, world, args.microbatches, folder)
     ui.table(*summary_table(runs, world, args.microbatches))
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
         return
+
+    # Step 7: Compare the weights with lesson 13's
+    # The floor: lesson 13's run with each batch summed in M chunks, as the micro-batches sum it.
+    ui.step(7, "Compare the weights with lesson 13's")
     reference, chunked = (T.train_reference(args.seed, args.steps, chunks=c)["state"] for c in (1, args.microbatches))
     diff, chunk_floor = max_abs_diff(final_state, reference), max_abs_diff(chunked, reference)
     ui.print(f"max |w - w_13| = [bold]{diff:.1e}[/bold] (floor {chunk_floor:.1e}: lesson 13 in {args.microbatches} chunks)")
 
-    # Step 11: Save the results
-    # Every Part 2 lesson compares its final.pt with this one (within 1e-3).
-    ui.step(11, "Save the results")
+    # Step 8: Save the results
+    # final.pt holds the gathered model under lesson 13's names: a plain model loads it.
+    ui.step(8, "Save the results")
     samples = args.steps * T.GLOBAL_BATCH
     save_results(folder, final_state, make_metrics(
         lesson="18", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, memory_bytes={**held, "activations": plain.bytes},
-        activations_checkpointed_bytes=ckpt.bytes, activations_bf16_bytes=bf16.bytes,
-        checkpointed_losses=ckpt_losses, loss_bf16=loss_bf16.item(),
-        seconds_forward_backward={"plain": t_plain, "checkpointed": t_ckpt},
-        **metrics_of(runs, args.schedule, world, args.microbatches),
+        loss_floor=floor, **metrics_of(runs, args.schedule, world, args.microbatches),
         max_abs_diff_floor=chunk_floor, max_abs_diff_vs_single_device=diff))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")

@@ -90,6 +90,8 @@ def test_metrics_hold_the_schedules_measurements(lesson):
     assert s["interleaved"]["bubble_fraction"] == pytest.approx(1 / (2 * M + 1))
     assert s["zero-bubble"]["bubble_fraction"] < s["interleaved"]["bubble_fraction"]
     json.dumps(metrics)  # plain JSON
+    # lesson 13's memory demonstrations stay in lesson 13: none of their numbers is kept here
+    assert not {"memory_bytes", "activations_checkpointed_bytes", "checkpointed_losses"} & set(metrics)
 
 
 def test_prints_every_schedules_timeline_and_the_table(lesson):
@@ -192,7 +194,10 @@ def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
     for flags, expect in ((["--schedule", "dualpipe"], "--schedule"), (["--microbatches", "0"], "--microbatches"),
                           (["--world-size", "0"], "--world-size")):
         assert expect in parse_error(module, flags, monkeypatch, capsys)
-    for flags, expect in ((["--world-size", "3"], "--world-size 3: use 2 or 4"),
+    for flags, expect in ((["--world-size", "3"], "--world-size 3 must divide the global batch of 48 rows "
+                           "and the 4 pieces of the model (embeddings, 2 blocks, head) and be at most 8 "
+                           "on one machine: use one of 1, 2, 4"),
+                          (["--world-size", "8"], "use one of 1, 2, 4"),
                           (["--microbatches", "5"], "--microbatches must divide the 48 rows"),
                           (["--world-size", "4", "--microbatches", "2"], "fewer than the 4 stages")):
         monkeypatch.setattr(sys, "argv", ["18_pipeline_schedules.py", *flags])
@@ -201,12 +206,14 @@ def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
         assert exit_info.value.code == 2
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], lines
+    for world in (1, 2, 4):  # one rank is a pipeline of 1 (or 2 interleaved) stages: no bubble
+        P.check_flags(world, 4, T.GLOBAL_BATCH)
 
 
 def test_every_allowed_flag_combination_builds_every_schedule():
     """flag_error's rule is the schedules' own: what it lets through, torch accepts."""
-    accepted = [(p, m) for p in (2, 4) for m in range(1, 49) if P.flag_error(p, m, T.GLOBAL_BATCH) is None]
-    assert (2, 4) in accepted and (4, 8) in accepted and (4, 12) in accepted
+    accepted = [(p, m) for p in (1, 2, 4) for m in range(1, 49) if P.flag_error(p, m, T.GLOBAL_BATCH) is None]
+    assert (1, 1) in accepted and (2, 4) in accepted and (4, 8) in accepted and (4, 12) in accepted
     for p, m in accepted:
         rounds = max(1, m // p)
         assert T.GLOBAL_BATCH % m == 0 and m >= p and m % rounds == 0

@@ -165,7 +165,9 @@ def show_schedule(ui, name: str, rec: Recorder, world: int, microbatches: int, f
     dist.all_gather_object(every, (rec.actions, rec.peak_inflight))
     tl = timeline({rank: actions for rank, (actions, _) in enumerate(every)})
     peak = {stage: n for _, held in every for stage, n in held.items()}
-    ui.print(f"\n[bold]{name}[/bold]: {len(peak)} stages on {world} ranks, {microbatches} micro-batches")
+    n, s = len(peak), lambda k, end="s": end if k > 1 else ""  # 1 stage, 2 stages
+    ui.print(f"\n[bold]{name}[/bold]: {n} stage{s(n)} on {world} rank{s(world)}, "
+             f"{microbatches} micro-batch{s(microbatches, 'es')}")
     for line in draw(tl):
         ui.print(line, markup=False)
     if ui.is_main:
@@ -194,18 +196,21 @@ def metrics_of(runs: dict, schedule: str, world: int, microbatches: int) -> dict
 
 
 def check_flags(world: int, microbatches: int, global_batch: int) -> None:
-    """common.cli.fail with one line when the flags do not fit (see flag_error)."""
+    """common.cli.fail with one line when the flags do not fit. The world size follows Part 2's
+    one rule (common/transformer.py: it splits the batch's rows), plus the pipeline's own: it
+    must split the model's pieces too, so that every rank gets at least one. Then flag_error."""
+    from common import transformer as T
     from common.cli import fail
 
+    pieces = T.N_BLOCKS + 2  # embeddings, the blocks, final norm + head
+    T.check_world_size(world, f"--world-size {world}",
+                       divides={f"{pieces} pieces of the model (embeddings, {T.N_BLOCKS} blocks, head)": pieces})
     if problem := flag_error(world, microbatches, global_batch):
         fail(problem)
 
 
 def flag_error(world: int, microbatches: int, global_batch: int) -> str | None:
-    """The rule for lesson 18's flags, or None when they are fine."""
-    if world not in (2, 4):
-        return (f"--world-size {world}: use 2 or 4. The model has 4 pieces (embeddings, 2 blocks, "
-                f"head); with 1 or 2 stages per rank every rank must get at least one")
+    """The rule for lesson 18's --microbatches on `world` ranks, or None when it is fine."""
     if global_batch % microbatches:
         return f"--microbatches must divide the {global_batch} rows of a batch: use 2, 3, 4, 6, 8, 12, ..."
     if microbatches < world:
