@@ -1,6 +1,13 @@
-"""The apparatus that proves what the lessons teach, kept out of the lesson files.
+"""The apparatus that several lessons share to show and prove what they teach: the layer above
+common/ (it imports common/ and itself, nothing else of ours).
 
-A lesson file tells one idea (../shared/STYLE.md); what only *measures* that idea (counting
-bytes held per rank, counting collectives and the bytes they send, the memory table) lives here,
-one small module per instrument, so the learner can read it when the doc sends them here.
+    ui.py           rank 0's voice, progress bars, tables, and step mode (--step)
+    results.py      runs/lesson-NN/: final.pt and metrics.json, written beside then renamed
+    comm.py         the one collective counter: every collective, its bytes, its phase
+    memory.py       bytes of parameters, gradients, optimizer state and activations
+    sharding.py     what a rank of a sharded job holds and sends (lessons 15, 16, 19)
+    state_dicts.py  loading a state_dict across wrappers (lesson 09's lesson, used since)
+    ranks.py        run_ranks: N ranks in a gloo group, for the checks, bench/ and tests
+
+What serves one lesson only lives in that lesson's folder (lessons/NN_topic/), beside it.
 """

@@ -1,16 +1,25 @@
-"""The shared code behind the lessons, small enough to read in one sitting:
+"""The shared code behind the lessons: the bottom layer, which imports nothing of ours but
+itself. The first five are what a learner meets; each is short enough to read in one sitting:
 
     cli.py          flags every lesson shares, one-line errors instead of tracebacks
     device.py       --device auto|cpu|cuda and the matching backend (nccl / gloo)
     distributed.py  the rendezvous store on loopback, process groups with a timeout,
                     starting N ranks (spawn) and a clean teardown
-    recipe.py       Part 1's recipe (lesson 01): data, model, optimizer, sample order
-    transformer.py  Part 2's recipe (lesson 13): a small transformer and its data
+    recipe.py       Part 1's recipe (lesson 01): data, model, optimizer, sample order,
+                    and its one world-size rule
+    transformer.py  Part 2's recipe (lesson 13): a small transformer, its data, its
+                    single-process reference and its one world-size rule
+
+and the plumbing beneath them, which every lesson relies on without it being any lesson's idea:
+
+    processes.py    start_ranks, the one way ranks are started (forked from a fork server,
+                    rank 0 given the terminal for --step), and nobody outliving the job
+    datasets.py     MNIST / CIFAR-10 files read without running code (recipe.py's --dataset)
 
 Each helper first appears *inline* in the lesson that teaches it; later lessons call it so
-they can focus on their own idea. What only measures or guards a lesson (output and step
-mode, metrics files, state_dict loading, real data files, process supervision) lives in
-apparatus/; the launcher that simulates several machines is tools/nodes.py.
+they can focus on their own idea. One layer up, apparatus/ holds the output and the
+instruments (step mode, metrics files, collective and memory counters); code that serves one
+lesson lives in that lesson's folder, lessons/NN_topic/.
 """
 import sys
 from pathlib import Path

@@ -1,9 +1,11 @@
 """Starting ranks, and nobody outliving the job: the process plumbing behind the lessons'
 spawn (common/distributed.py), run_ranks (apparatus/ranks.py: the checks, bench/, the
-tests) and tools/nodes.py. Not the lessons' idea, so it lives here.
+tests) and tools/nodes.py. No lesson's idea (lesson 05 teaches mp.spawn itself), so the
+lessons call it through spawn.
 
 * `start_ranks`: the one way the package starts N ranks and gets back what each returns,
   or RankFailed naming the first rank that failed (the others are stopped at once).
+  With a terminal on stdin, rank 0 asks on it in step mode (share_terminal_with_children).
 * `die_with_parent`: call first thing in a rank; if its parent is killed, even with SIGKILL,
   the kernel kills the rank too (Linux's parent-death signal).
 * `supervise`: around starting ranks, Ctrl-C, SIGTERM and SIGHUP stop every rank *first*,
@@ -240,6 +242,27 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
         dist.destroy_process_group()
 
 
+def _silent_death(procs, results, spoke: set, wait_s: float = 1.0) -> int | None:
+    """The first rank that ended with no word (killed, or exited non-zero without reporting),
+    looking for up to wait_s: the fork server hands on a rank's exit status a moment late."""
+    import queue
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            while True:  # other ranks' errors, already sent: they spoke, so they are not silent
+                spoke.add(results.get_nowait()[0])
+        except (queue.Empty, OSError, EOFError):
+            pass
+        silent = [r for r, p in enumerate(procs)
+                  if r not in spoke and p.exitcode is not None and p.exitcode != 0]
+        if silent:
+            return min(silent, key=lambda r: (procs[r].exitcode >= 0, r))  # a signal first
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
 def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None = None,
                 threads: int | None = None, preload: list[str] | None = None) -> list:
     """target(rank, world, *args) on `world` new processes: what each returned, by rank.
@@ -306,6 +329,11 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
                     continue
                 if kind != "ok":
                     error, text, frames, code = payload
+                    # A rank killed in a collective says nothing, and its peers then fail
+                    # ("Connection reset by peer") and say so first: blame the silent dead.
+                    dead = _silent_death(procs, results, spoke={*got, rank})
+                    if dead is not None:
+                        raise RankFailed("died", dead, world, code=procs[dead].exitcode)
                     raise RankFailed("raised", rank, world, error, text, frames, code)
                 got[rank] = torch.load(io.BytesIO(payload), weights_only=True)
         finally:

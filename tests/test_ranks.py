@@ -56,6 +56,25 @@ def test_the_failing_rank_is_named(how):
         assert time.monotonic() - started < 60  # the sleeping ranks were not waited for
 
 
+def _killed_mid_collective(rank: int, world: int, victim: int) -> None:
+    """Every rank all-reduces in a loop; `victim` is killed (SIGKILL) in the middle."""
+    for i in range(10_000):
+        if rank == victim and i == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(torch.ones(1000))
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_the_killed_rank_is_blamed_not_the_peer_it_left_behind(victim):
+    """A rank killed in a collective says nothing; its peer then fails ("Connection reset by
+    peer") and says so first. The job must name the dead rank (issue 26: lessons 15-19
+    named the survivor in 13 of 13 runs)."""
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_killed_mid_collective, 2, (victim,), timeout_s=60)
+    f = failed.value
+    assert (f.kind, f.rank, f.code) == ("died", victim, -signal.SIGKILL), str(f)
+
+
 def test_a_parent_killed_with_sigkill_takes_its_ranks():
     """The ranks are forked by multiprocessing's fork server: they must not outlive it, and
     it must not outlive the process that called run_ranks."""

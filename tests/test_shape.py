@@ -90,14 +90,82 @@ def imports_of(path) -> set[str]:
     return found
 
 
-def test_common_is_small_and_has_no_import_cycle():
-    """common/ is read in one sitting: at most 900 lines, and no module of common/ or
-    apparatus/ reaches itself through imports (cli -> recipe -> datasets -> cli once did)."""
-    files = sorted((ROOT / "common").glob("*.py"))
-    total = sum(len(f.read_text().splitlines()) for f in files)
-    assert total <= 900, f"common/ has {total} lines; move what is not shared lesson code out"
-    modules = {f"{f.parent.name}.{f.stem}" if f.stem != "__init__" else f.parent.name: f
-               for pkg in ("common", "apparatus") for f in (ROOT / pkg).glob("*.py")}
+PACKAGES = ("common", "apparatus")
+
+
+def package_modules() -> dict[str, "Path"]:
+    return {f"{f.parent.name}.{f.stem}" if f.stem != "__init__" else f.parent.name: f
+            for pkg in PACKAGES for f in (ROOT / pkg).glob("*.py")}
+
+
+def ours(name: str) -> str | None:
+    """The package of ours a module name belongs to (common, apparatus, ...), or None."""
+    top = name.split(".")[0]
+    return top if top in PACKAGES or top in ("lessons", "tools", "bench", "tests") else None
+
+
+def test_common_imports_nothing_of_ours_but_itself():
+    """common/ is the bottom layer: a learner reads it without opening another package, and
+    no import hides in a function to dodge a cycle, because there is no cycle to dodge."""
+    for f in sorted((ROOT / "common").glob("*.py")):
+        above = sorted(i for i in imports_of(f) if ours(i) not in (None, "common"))
+        assert not above, f"common/{f.name} imports {', '.join(above)}: common/ imports only common/"
+
+
+def test_apparatus_imports_only_common_and_itself():
+    for f in sorted((ROOT / "apparatus").glob("*.py")):
+        above = sorted(i for i in imports_of(f) if ours(i) not in (None, "common", "apparatus"))
+        assert not above, f"apparatus/{f.name} imports {', '.join(above)}: it may use common/ only"
+
+
+def users_of(module: str) -> set[str]:
+    """Who imports `module` (e.g. "apparatus.sharding"): "lesson NN" for a lesson, its folder,
+    its exercise or its check; "shared" for another module of common/ or apparatus/;
+    "bench" or "tools" for those. Tests do not count: they test, they do not use."""
+    users = set()
+    files = [*(ROOT / "lessons").rglob("*.py"), *(ROOT / "exercises").glob("*.py"),
+             *(ROOT / "tools").rglob("*.py"), *(ROOT / "bench").glob("*.py"),
+             *[f for pkg in PACKAGES for f in (ROOT / pkg).glob("*.py")]]
+    for f in files:
+        found = imports_of(f)
+        if module not in found and not any(i.startswith(module + ".") for i in found):
+            continue
+        rel = f.relative_to(ROOT)
+        number = re.match(r"(?:check_)?(\d\d)_?", rel.parts[-1] if rel.parts[0] != "lessons" else rel.parts[1])
+        if rel.parts[0] in PACKAGES:
+            users.add("shared" if f"{rel.parts[0]}.{f.stem}" != module else "")
+        elif rel.parts[0] in ("lessons", "exercises") or rel.parts[:2] == ("tools", "checks"):
+            users.add(f"lesson {number[1]}" if number else str(rel))
+        else:
+            users.add(rel.parts[0])
+    return users - {""}
+
+
+def test_no_shared_module_serves_one_lesson_only():
+    """A module that one lesson uses lives in that lesson's folder (lessons/NN_topic/), where
+    the learner is already reading; common/ and apparatus/ hold what several lessons use.
+    (bench/ and the tools measuring or checking that one lesson do not make it shared.)"""
+    for name in sorted(package_modules()):
+        users = users_of(name)
+        lessons = sorted(u for u in users if u.startswith("lesson"))
+        assert len(lessons) != 1 or "shared" in users, \
+            f"{name} serves {lessons[0]} only: move it into that lesson's folder"
+
+
+def test_users_of_sees_lessons_checks_and_packages():
+    assert {"lesson 01", "lesson 05", "lesson 20", "bench"} <= users_of("apparatus.ui")
+    assert users_of("common.datasets") == {"shared"}  # only common/recipe.py imports it
+    assert "lesson 17" in users_of("apparatus.comm")  # through lessons/17_tensor_parallel/
+
+
+def test_common_is_readable_and_nothing_imports_in_a_cycle():
+    """common/ is read in one sitting (each module at most 450 lines), and no module of
+    common/ or apparatus/ reaches itself through imports (cli -> recipe -> datasets -> cli
+    once did)."""
+    for f in sorted((ROOT / "common").glob("*.py")):
+        n = len(f.read_text().splitlines())
+        assert n <= 450, f"common/{f.name} has {n} lines; split it, or move what is not shared out"
+    modules = package_modules()
     edges = {m: {i for i in imports_of(f) if i in modules and i != m} for m, f in modules.items()}
 
     def reaches(start, goal, seen):
