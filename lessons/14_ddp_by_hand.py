@@ -2,13 +2,13 @@
 
 Parent: lesson 13 (lessons/13_transformer_memory.py)
 
-New since lesson 13: N processes train it, each on 1/N of every batch, through HandDDP, our
-own DistributedDataParallel: a hook starts each gradient's all-reduce (or bucket's) as soon as
-backward produced it. We count the all-reduces and their overlap with backward, end with
-lesson 13's and torch DDP's weights, and, as lesson 13 on each rank, we count the memory, because
-that is why anyone shards a model: parameters, gradients and AdamW state beside the formula
-(4 + 4 + 8 bytes per parameter), the activations autograd saves for backward, and two ways to
-shrink those: activation checkpointing per block and bf16 autocast.
+New since lesson 13: N processes train lesson 13's transformer, each on 1/N of every batch,
+through HandDDP, our own DistributedDataParallel: rank 0's weights broadcast, then a hook
+starts each gradient's all-reduce (or its bucket's) as soon as backward has produced it, and
+finish_gradient_synchronization() waits and averages before the optimizer steps. We count
+the all-reduces, their bytes and their overlap with backward, beside torch's DDP, and end
+with lesson 13's weights (within 1e-3) and torch DDP's. Lesson 13's memory steps stay in
+lesson 13: every rank here holds what one device held there.
 
 Run:
     make lesson-14
@@ -25,12 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import co
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from apparatus.comm import COLUMNS, compare, counted_ddp, table_rows
-from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_bytes
 from common import transformer as T
-from common.cli import fail, lesson_parser, positive_float, positive_int, run, seed_number
+from common.cli import lesson_parser, positive_float, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
 from apparatus.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
@@ -45,16 +43,9 @@ def parse_args():
                         help="seed for the initial weights and the batches")
     parser.add_argument("--bucket-mb", type=positive_float, default=0.1,
                         help="MiB of gradients per all-reduce, like DDP's bucket_cap_mb")
-    return parser.parse_args()
-
-
-def forward_checkpointed(model, x):
-    """model(x), except that each block keeps only its input for backward: autograd
-    recomputes the block's forward during backward to get the rest back."""
-    x = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1], device=x.device))
-    for block in model.blocks:
-        x = checkpoint(block, x, use_reentrant=False)
-    return model.head(model.norm(x))
+    args = parser.parse_args()
+    T.check_world_size(args.world_size, "--world-size")  # every rank takes as many rows
+    return args
 
 
 class HandDDP(torch.nn.Module):
@@ -99,8 +90,6 @@ class HandDDP(torch.nn.Module):
 
 def main() -> None:
     args = parse_args()
-    if T.GLOBAL_BATCH % args.world_size:  # every rank must take the same number of rows
-        fail(f"--world-size must divide the {T.GLOBAL_BATCH} rows of a batch: use 1, 2, 3, 4, 6, 8, ...")
     kind, note = plan_device(args.device, args.world_size)  # one GPU per rank, or the CPU
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
     spawn(worker, (args.world_size, args, kind, note), args.world_size)
@@ -110,10 +99,10 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui = UI(rank, world, step_mode=args.step)
     ui.title(f"Lesson 14: DDP by hand on {world} processes" + (f" ({note})" if note else ""))
 
-    # Step 1: Choose the device
+    # Step 1: Choose this rank's device and join the process group
     # One thread on the CPU: bitwise reproducible (the reference is computed the same way),
-    # and in the next lessons several ranks share the cores anyway.
-    ui.step(1, "Choose the device")
+    # and the ranks share the cores anyway.
+    ui.step(1, "Choose this rank's device and join the process group")
     device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -145,10 +134,10 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui.print(f"Transformer: {T.N_BLOCKS} blocks, width {T.DIM}, {T.N_HEADS} heads, "
              f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}")
 
-    # Step 4: Train
-    # The same loop as lesson 01, with a new batch every step instead of epochs.
-    # Each rank trains its rows; hooks start the all-reduces in backward; we wait, average.
-    ui.step(4, "Train")
+    # Step 4: Train, all-reducing the gradients during backward
+    # Lesson 13's loop on this rank's rows, plus one line: the hooks start the all-reduces
+    # inside loss.backward(); finish_gradient_synchronization() waits for them and averages.
+    ui.step(4, "Train, all-reducing the gradients during backward")
     losses: list[float] = []
     timer = Timer()
     log_every = max(1, args.steps // 5)
@@ -170,7 +159,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     wall = timer.seconds
     dist.all_reduce(every := torch.tensor(losses, device=device))  # sum the ranks' losses:
     losses = (every / world).tolist()  # their mean is the whole batch's loss
-    final_state = plain_state_dict(model)  # what we save; the measurements below change no weight
+    final_state = plain_state_dict(model)  # what we save; the comparison below trains fresh copies
 
     # Step 5: Evaluate against the floor
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
@@ -187,67 +176,10 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
 
-    # Step 6: Count parameters, gradients and optimizer state
-    # Read off the tensors themselves, beside the formula. AdamW keeps two numbers per
-    # parameter (exp_avg, exp_avg_sq): the optimizer state is twice the model.
-    ui.step(6, "Count parameters, gradients and optimizer state")
-    held = state_bytes(model, optimizer)
-    fp32, mixed = formula_bytes(n_params), formula_bytes(n_params, mixed=True)
-    ui.table(f"Bytes held for {n_params:,} parameters", ["", "measured", "fp32 formula",
-             "per parameter", "mixed precision (ZeRO paper)"],
-             [[k, f"{held[k]:,}", f"{fp32[k]:,}", held[k] // n_params, f"{mixed[k]:,}"]
-              for k in held] + [["total", f"{sum(held.values()):,}", f"{sum(fp32.values()):,}",
-                                 sum(held.values()) // n_params, f"{sum(mixed.values()):,}"]])
-
-    # Step 7: Measure the activations
-    # Autograd keeps some tensors of the forward pass until backward needs them. The
-    # saved_tensors_hooks in apparatus/memory.py see each one as it is saved.
-    ui.step(7, "Measure the activations")
-    with SavedTensors(model) as plain:
-        loss_plain = T.loss_fn(model(x), y)
-    ui.print(f"one batch of {x.numel():,} tokens saves {mib(plain.bytes)} of activations "
-             f"({plain.bytes / held['parameters']:.1f}x the parameters)")
-
-    # Step 8: Activation checkpointing
-    # Keep only each block's input; recompute the rest in backward. Same numbers, less
-    # memory, one extra forward of every block per step.
-    ui.step(8, "Activation checkpointing")
-    with SavedTensors(model) as ckpt:
-        loss_ckpt = T.loss_fn(forward_checkpointed(model, x), y)
-    ui.print(f"saved for backward: {mib(plain.bytes)} plain -> {mib(ckpt.bytes)} checkpointed; "
-             f"loss {loss_plain.item():.6f} vs {loss_ckpt.item():.6f}")
-    retrain = T.make_model(args.seed).to(device)  # a fresh run: do the losses stay the same?
-    retrain_opt = T.make_optimizer(retrain)
-    k = min(10, args.steps)
-    ckpt_losses = []
-    for step in range(k):
-        xb, yb = (t.to(device) for t in T.batch(step, args.seed))
-        loss = T.loss_fn(forward_checkpointed(retrain, xb), yb)
-        retrain_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        retrain_opt.step()
-        ckpt_losses.append(loss.item())
-    ui.print(f"first {k} training losses identical with and without checkpointing: "
-             f"{ckpt_losses == T.train_reference(args.seed, args.steps)['losses'][:k].tolist()}")
-    t_plain = seconds(lambda: T.loss_fn(model(x), y).backward())
-    t_ckpt = seconds(lambda: T.loss_fn(forward_checkpointed(model, x), y).backward())
-    ui.print(f"forward + backward: {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
-             f"checkpointed ({t_ckpt / t_plain - 1:+.0%}: the recomputed forward)")
-
-    # Step 9: bf16 autocast
-    # Matmuls run in bfloat16 (2 bytes) while LayerNorm and the loss stay in float32.
-    ui.step(9, "bf16 autocast")
-    with SavedTensors(model) as bf16, torch.autocast(device.type, dtype=torch.bfloat16):
-        loss_bf16 = T.loss_fn(model(x), y)
-    ui.print(f"activations: {mib(plain.bytes)} fp32 -> {mib(bf16.bytes)} under bf16 autocast "
-             f"(+ {mib(bf16.weight_copy_bytes)} of bf16 weight copies autocast saved too)")
-    ui.print(f"loss: {loss_plain.item():.6f} fp32, {loss_bf16.item():.6f} bf16 "
-             f"(difference {abs(loss_bf16.item() - loss_plain.item()):.1e})")
-
-    # Step 10: Count the all-reduces, compare the weights
+    # Step 6: Count the all-reduces, compare the weights
     # Fresh runs recorded by apparatus/comm.py (every all-reduce: bytes, start, end; backward's
     # compute time). torch's DDP trains the whole run. The floor: lesson 13 summing in N chunks.
-    ui.step(10, "Count the all-reduces, compare the weights")
+    ui.step(6, "Count the all-reduces, compare the weights")
     mb, make = args.bucket_mb, lambda: T.make_model(args.seed).to(device)  # noqa: E731
     local = lambda s: [T.shard(t, rank, world).to(device) for t in T.batch(s, args.seed)]  # noqa: E731
     runs = compare({"HandDDP per parameter": HandDDP, f"HandDDP {mb:g} MiB": lambda m: HandDDP(m, mb),
@@ -260,21 +192,19 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         return
     reference, chunked = (T.train_reference(args.seed, args.steps, chunks=c)["state"] for c in (1, world))
     diff, chunk_floor = max_abs_diff(final_state, reference), max_abs_diff(chunked, reference)
-    ui.print(f"max |w - w_13| = [bold]{diff:.1e}[/bold] (floor {chunk_floor:.1e}); max |w - w_torch_ddp| = {diff_torch:.1e}")
+    ui.print(f"same weights as lesson 13? max |w - w_13| = [bold]{diff:.1e}[/bold] (floor {chunk_floor:.1e}, "
+             f"allowed 1e-3); max |w - w_torch_ddp| = {diff_torch:.1e}")
 
-    # Step 11: Save the results
-    # Every Part 2 lesson compares its final.pt with this one (within 1e-3).
-    ui.step(11, "Save the results")
+    # Step 7: Save the results
+    # Lesson 13's keys, plus what Step 6 counted and compared.
+    ui.step(7, "Save the results")
     folder = out_dir("14", args.out)
     samples = args.steps * T.GLOBAL_BATCH
     save_results(folder, final_state, make_metrics(
         lesson="14", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, memory_bytes={**held, "activations": plain.bytes},
-        activations_checkpointed_bytes=ckpt.bytes, activations_bf16_bytes=bf16.bytes,
-        checkpointed_losses=ckpt_losses, loss_bf16=loss_bf16.item(),
-        seconds_forward_backward={"plain": t_plain, "checkpointed": t_ckpt}, bucket_mb=mb,
+        loss_floor=floor, bucket_mb=mb,
         comm={name: summary for name, (summary, _) in runs.items()}, max_abs_diff_floor=chunk_floor,
         max_abs_diff_vs_single_device=diff, max_abs_diff_vs_torch_ddp=diff_torch))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "

@@ -2,23 +2,17 @@
 
 Parent: lesson 13 (lessons/13_transformer_memory.py)
 
-New since lesson 13: the same transformer on N ranks. --strategy ddp: every rank holds
-everything; zero1: ShardedOptimizer (by hand) keeps on each rank the AdamW state of its own
-parameters; zero1-torch: torch's ZeroRedundancyOptimizer; fsdp: fully_shard on every block
-and the root (ZeRO-3; --no-reshard-after-forward: ZeRO-2-like). Measured on every rank: the
-bytes it holds beside the formula, the bytes it sends per step, and lesson 13's weights.
-
-Kept from lesson 13 (its steps, now on every rank): the Part 2 recipe, a small decoder-only
-transformer trained with AdamW on token sequences from a Markov chain whose best possible
-loss is known (common/transformer.py). This run is the baseline: lessons 14-20 train the
-same model in parallel and must end with these weights. Then we count the memory, because
-that is why anyone shards a model: parameters, gradients and AdamW state beside the formula
-(4 + 4 + 8 bytes per parameter), the activations autograd saves for backward, and two ways to
-shrink those: activation checkpointing per block and bf16 autocast.
+New since lesson 13: the same transformer on N ranks, each on 1/N of every batch, and lesson
+13's bytes (4 + 4 + 8 per parameter) split across them. --strategy ddp: every rank holds all;
+zero1: ShardedOptimizer (ZeRO-1 by hand, below) keeps on each rank the AdamW state of its own
+parameters; zero1-torch: torch's ZeroRedundancyOptimizer; fsdp: fully_shard on every block and
+the root (ZeRO-3; --no-reshard-after-forward: ZeRO-2-like). Measured on every rank: the bytes
+it holds and sends per step, each beside its formula, and lesson 13's weights within 1e-3.
+Lesson 13's activation steps stay there: sharding leaves the activations as they were.
 
 Run:
     make lesson-15
-    make lesson-15 ARGS="--world-size 3 --strategy zero1"
+    make lesson-15 ARGS="--strategy zero1 --world-size 3"
     .venv/bin/python lessons/15_zero_fsdp.py --world-size 4 --no-reshard-after-forward
 
 Doc: docs/15_zero_fsdp.md
@@ -28,6 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 15_zero_fsdp/
 
 import torch
 import torch.distributed as dist
@@ -35,11 +30,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
 
 from apparatus.comm import CommLog, route_ddp_through_python
-from apparatus.memory import SavedTensors, formula_bytes, mib, seconds
+from apparatus.memory import formula_bytes
 from apparatus import sharding
+import sharded
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, pick_device, plan_device
@@ -58,7 +53,9 @@ def parse_args():
                         default="fsdp", help="what each rank keeps (see the docstring)")
     parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
                         action="store_false", help="fsdp: keep gathered weights until backward")
-    return sharding.check_world_size(parser, parser.parse_args())
+    args = parser.parse_args()
+    T.check_world_size(args.world_size, "--world-size")  # before any rank starts
+    return args
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -79,23 +76,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self) -> None:
-        rows = torch.stack([sharding.flat_row(s, self.size, self.device, grad=True) for s in self.shards])
+        rows = torch.stack([sharded.flat_row(s, self.size, self.device, grad=True) for s in self.shards])
         mine, row = self.shards[dist.get_rank()], rows.new_empty(self.size)
         dist.reduce_scatter_single(row, rows.view(-1))  # row `rank` of every rank, summed
-        for p, grad in zip(mine, sharding.pieces(row / dist.get_world_size(), mine)):
+        for p, grad in zip(mine, sharded.pieces(row / dist.get_world_size(), mine)):
             p.grad = grad.clone() if p.grad is not None else None  # sum of N means -> the mean
         self.optim.step()
-        dist.all_gather_single(rows.view(-1), sharding.flat_row(mine, self.size, self.device))
-        sharding.unflatten(rows, self.shards)  # every rank's updated parameters, to every rank
-
-
-def forward_checkpointed(model, x):
-    """model(x), except that each block keeps only its input for backward: autograd
-    recomputes the block's forward during backward to get the rest back."""
-    x = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1], device=x.device))
-    for block in model.blocks:
-        x = checkpoint(block, x, use_reentrant=False)
-    return model.head(model.norm(x))
+        dist.all_gather_single(rows.view(-1), sharded.flat_row(mine, self.size, self.device))
+        sharded.unflatten(rows, self.shards)  # every rank's updated parameters, to every rank
 
 
 def main() -> None:
@@ -103,10 +91,8 @@ def main() -> None:
     ui = UI(step_mode=args.step)
     ui.title(f"Lesson 15: {args.strategy} on {args.world_size} ranks")
 
-    # Step 1: Choose the device
-    # One thread on the CPU: bitwise reproducible (the reference is computed the same way),
-    # and in the next lessons several ranks share the cores anyway.
-    ui.step(1, "Choose the device")
+    # Step 1: Start the ranks, one device each
+    ui.step(1, "Start the ranks, one device each")
     kind, note = plan_device(args.device, args.world_size)  # as lesson 05: a GPU per rank, or CPUs
     ui.print(note or f"{args.world_size} ranks, one GPU each")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)),
@@ -137,8 +123,8 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     ui.print(f"loss of uniform guessing: ln {T.VOCAB} = {torch.tensor(T.VOCAB).log():.4f}; "
              f"the floor (best possible): {floor:.4f} nats/token")
 
-    # Step 3: Build the model and move it to the device
-    ui.step(3, "Build the model and move it to the device")
+    # Step 3: Build the model, then shard it (--strategy)
+    ui.step(3, "Build the model, then shard it (--strategy)")
     model = T.make_model(args.seed).to(device)
     if args.strategy == "fsdp":  # ZeRO-3: each block one FSDP group, then the root (the rest)
         mesh = dist.init_device_mesh(device.type, (world,))
@@ -158,12 +144,13 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     ui.print(f"Transformer: {T.N_BLOCKS} blocks, width {T.DIM}, {T.N_HEADS} heads, "
              f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}")
 
-    # Step 4: Train
+    # Step 4: Train, recording every collective
     # The same loop as lesson 01, with a new batch every step instead of epochs.
-    ui.step(4, "Train")
+    # On this rank's rows; CommLog and FSDPStory record the collectives the strategy makes.
+    ui.step(4, "Train, recording every collective")
     losses: list[float] = []
     timer = Timer()
-    log, story = CommLog(), sharding.FSDPStory()  # every collective, and FSDP2's hooks (apparatus/)
+    log, story = CommLog(), sharded.FSDPStory()  # every collective, and FSDP2's hooks
     log_every = max(1, args.steps // 5)
     with ui.progress(args.steps, "training") as bar, log.recording(), story:
         for step in range(args.steps):
@@ -181,7 +168,6 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     wall = timer.seconds
     final_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     losses = sharding.mean_over_ranks(losses)
-    comm = sharding.report_comm(ui, log, story, args, optimizer)
 
     # Step 5: Evaluate against the floor
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
@@ -198,70 +184,19 @@ def worker(rank: int, world: int, args, kind: str) -> None:
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
 
-    # Step 6: Count parameters, gradients and optimizer state
-    # Read off the tensors themselves, beside the formula. AdamW keeps two numbers per
-    # parameter (exp_avg, exp_avg_sq): the optimizer state is twice the model.
-    ui.step(6, "Count parameters, gradients and optimizer state")
-    held = sharding.held_bytes(model, optimizer)  # mine, from my local shards, padding included
-    fp32, mixed = formula_bytes(n_params), formula_bytes(n_params, mixed=True)
-    ui.table(f"Bytes held for {n_params:,} parameters", ["", "measured", "fp32 formula",
-             "per parameter", "mixed precision (ZeRO paper)"],
-             [[k, f"{held[k]:,}", f"{fp32[k]:,}", held[k] // n_params, f"{mixed[k]:,}"]
-              for k in held] + [["total", f"{sum(held.values()):,}", f"{sum(fp32.values()):,}",
-                                 sum(held.values()) // n_params, f"{sum(mixed.values()):,}"]])
-    per_rank = sharding.report_bytes(ui, model, optimizer, args.strategy)
-    model = T.make_model(args.seed).to(device)  # steps 7-9 on a plain copy and my rows only:
-    x, y = T.shard(x, rank, world), T.shard(y, rank, world)  # sharding leaves activations be
+    # Step 6: Count the bytes each rank holds and sends
+    # From each rank's own tensors (local shards, padding included), beside the ZeRO formulas.
+    ui.step(6, "Count the bytes each rank holds and sends")
+    per_rank = sharding.report_bytes(ui, model, optimizer, args.strategy)  # every rank's table
+    held, one_device = sum(per_rank["per_rank_bytes"].values()), sum(formula_bytes(n_params).values())
+    ui.print(f"rank 0 holds {held:,} bytes, {held / n_params:.1f} per parameter: "
+             f"{held / one_device:.0%} of the {one_device:,} one device holds (lesson 13)")
+    comm = sharded.report_comm(ui, log, story, args, optimizer)
 
-    # Step 7: Measure the activations
-    # Autograd keeps some tensors of the forward pass until backward needs them. The
-    # saved_tensors_hooks in apparatus/memory.py see each one as it is saved.
-    ui.step(7, "Measure the activations")
-    with SavedTensors(model) as plain:
-        loss_plain = T.loss_fn(model(x), y)
-    ui.print(f"one batch of {x.numel():,} tokens saves {mib(plain.bytes)} of activations "
-             f"({plain.bytes / held['parameters']:.1f}x the parameters)")
-
-    # Step 8: Activation checkpointing
-    # Keep only each block's input; recompute the rest in backward. Same numbers, less
-    # memory, one extra forward of every block per step.
-    ui.step(8, "Activation checkpointing")
-    with SavedTensors(model) as ckpt:
-        loss_ckpt = T.loss_fn(forward_checkpointed(model, x), y)
-    ui.print(f"saved for backward: {mib(plain.bytes)} plain -> {mib(ckpt.bytes)} checkpointed; "
-             f"loss {loss_plain.item():.6f} vs {loss_ckpt.item():.6f}")
-    retrain = T.make_model(args.seed).to(device)  # a fresh run: do the losses stay the same?
-    retrain_opt = T.make_optimizer(retrain)
-    k = min(10, args.steps)
-    ckpt_losses = []
-    for step in range(k):
-        xb, yb = (t.to(device) for t in T.batch(step, args.seed))
-        loss = T.loss_fn(forward_checkpointed(retrain, xb), yb)
-        retrain_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        retrain_opt.step()
-        ckpt_losses.append(loss.item())
-    ui.print(f"first {k} training losses identical with and without checkpointing: "
-             f"{ckpt_losses == T.train_reference(args.seed, k)['losses'].tolist()}")
-    t_plain = seconds(lambda: T.loss_fn(model(x), y).backward())
-    t_ckpt = seconds(lambda: T.loss_fn(forward_checkpointed(model, x), y).backward())
-    ui.print(f"forward + backward: {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
-             f"checkpointed ({t_ckpt / t_plain - 1:+.0%}: the recomputed forward)")
-
-    # Step 9: bf16 autocast
-    # Matmuls run in bfloat16 (2 bytes) while LayerNorm and the loss stay in float32.
-    ui.step(9, "bf16 autocast")
-    with SavedTensors(model) as bf16, torch.autocast(device.type, dtype=torch.bfloat16):
-        loss_bf16 = T.loss_fn(model(x), y)
-    ui.print(f"activations: {mib(plain.bytes)} fp32 -> {mib(bf16.bytes)} under bf16 autocast "
-             f"(+ {mib(bf16.weight_copy_bytes)} of bf16 weight copies autocast saved too)")
-    ui.print(f"loss: {loss_plain.item():.6f} fp32, {loss_bf16.item():.6f} bf16 "
-             f"(difference {abs(loss_bf16.item() - loss_plain.item()):.1e})")
-
-    # Step 10: Save the results
+    # Step 7: Compare with lesson 13, save the results
     # final_state is the full state dict gathered to rank 0's CPU: a plain model loads it.
     # Lesson 13's weights within 1e-3, beside the floor: one process in N chunks, as N ranks.
-    ui.step(10, "Save the results")
+    ui.step(7, "Compare with lesson 13, save the results")
     folder = out_dir("15", args.out)
     samples = args.steps * T.GLOBAL_BATCH
     del train_model, optimizer
@@ -272,11 +207,7 @@ def worker(rank: int, world: int, args, kind: str) -> None:
         lesson="15", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, memory_bytes={**held, "activations": plain.bytes},
-        activations_checkpointed_bytes=ckpt.bytes, activations_bf16_bytes=bf16.bytes,
-        checkpointed_losses=ckpt_losses, loss_bf16=loss_bf16.item(),
-        seconds_forward_backward={"plain": t_plain, "checkpointed": t_ckpt},
-        max_abs_diff_vs_single_device=diff, chunked_floor=gap, **comm, **per_rank))
+        loss_floor=floor, max_abs_diff_vs_single_device=diff, chunked_floor=gap, **comm, **per_rank))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
     teardown()

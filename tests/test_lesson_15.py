@@ -6,6 +6,7 @@ zero1 by hand on 4 ranks. Each must end with lesson 13's weights for the same st
 doc's output blocks run ddp and zero1-torch; tools/doc_output.py regenerates them.)
 """
 import math
+import re
 import sys
 
 import pytest
@@ -18,6 +19,7 @@ from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, r
 STEPS = 6
 RUNS = {"fsdp": (3, []), "zero1": (4, ["--strategy", "zero1"])}
 PSI = sum(p.numel() for p in T.make_model().parameters())  # parameters of the recipe
+SHAPES = [tuple(p.shape) for p in T.make_model().parameters()]
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +65,21 @@ def test_final_pt_is_the_full_state_dict_a_plain_model_loads(runs, name, tmp_pat
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_every_rank_holds_what_the_formula_says(runs, name):
-    _, _, metrics, world = runs[name]
+    out, _, metrics, world = runs[name]
     ranks = metrics["per_rank_bytes_all"]
     assert len(ranks) == world and metrics["per_rank_bytes"] == ranks[0]["measured"]
     for r in ranks:
         assert r["measured"] == r["formula"], r
+    held = sum(ranks[0]["measured"].values())  # printed beside one device's 16 bytes per parameter
+    assert f"rank 0 holds {held:,} bytes, {held / PSI:.1f} per parameter: {held / (16 * PSI):.0%}" in out
     optimizer = [r["measured"]["optimizer_state"] for r in ranks]
     if name == "fsdp":  # everything sharded: the shards of each tensor add up to it
         assert sum(optimizer) == 8 * PSI
-        padded = ranks[0]["measured"]["parameters"]
-        assert all(r["measured"]["parameters"] == padded for r in ranks)  # padded to equal shards
+        # every rank stores ceil(rows / N) rows of each tensor (torch.chunk's first piece)
+        padded = 4 * sum(len(torch.arange(s[0]).chunk(world)[0]) * math.prod(s[1:]) for s in SHAPES)
+        assert all(r["measured"]["parameters"] == r["measured"]["gradients"] == padded for r in ranks)
         assert 4 * PSI / world < padded < 4 * PSI / world * 1.1  # 3 does not divide 64 or 8 rows
+        assert sum(ranks[0]["measured"].values()) < 16 * PSI / world * 1.1  # a third of one device
     else:  # ZeRO-1: whole parameters and gradients everywhere, each state element on one rank
         assert sum(optimizer) == 8 * PSI
         assert all(r["measured"]["parameters"] == 4 * PSI for r in ranks)
@@ -165,9 +171,22 @@ def test_sharded_optimizer_matches_one_process_with_tied_weights():
         assert all(r["owned"] < r["unique"] for r in results)
 
 
+def test_prints_its_own_steps_and_not_lesson_13s_demonstrations(runs):
+    """The steps the code marks, printed in order by rank 0, titled by sharding; lesson 13's
+    activation steps (and their metrics) stay in lesson 13: sharding does not change them."""
+    marked = re.findall(r"^\s*# Step (\d+): (.+?)\s*$", (ROOT / "lessons" / "15_zero_fsdp.py").read_text(), re.M)
+    assert [int(n) for n, _ in marked] == list(range(1, len(marked) + 1))
+    assert "shard" in marked[2][1] and "holds and sends" in marked[5][1] and "lesson 13" in marked[6][1]
+    for name, (out, _, metrics, _) in runs.items():
+        assert re.findall(r"^Step (\d+): (.+?)\s*$", out, re.M) == marked, name
+        assert "activations" not in out and "checkpoint" not in out.lower(), name
+        assert not {"memory_bytes", "activations_checkpointed_bytes", "loss_bf16"} & set(metrics), name
+
+
 def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
+    """Before any rank starts; the world size by Part 2's one rule (common/transformer.py)."""
     lesson = import_lesson("15")
-    assert "--world-size 5 must divide the global batch" in parse_error(
-        lesson, ["--world-size", "5"], monkeypatch, capsys)
+    for n in ("5", "16"):  # 5 does not divide the 48 rows; 16 does, but is more than 8
+        line = parse_error(lesson, ["--world-size", n], monkeypatch, capsys)
+        assert line.startswith("error: --world-size must divide the global batch of 48 rows"), line
     assert "--strategy" in parse_error(lesson, ["--strategy", "zero3"], monkeypatch, capsys)
-    assert math.isfinite(PSI)

@@ -1,0 +1,118 @@
+"""Lesson 15's own helpers: ShardedOptimizer's flat rows, and what each rank sent per step.
+
+* flat_row, unflatten, pieces: copy parameters (or their gradients) into one flat row per
+  rank and back, so that ShardedOptimizer (lessons/15_zero_fsdp.py) needs one reduce-scatter
+  and one all-gather per step; they only move tensors, the idea is in the lesson file.
+* FSDPStory: records FSDP2's own debug markers (pre_forward, pre_backward, post_backward,
+  per module) so that each collective CommLog saw can be shown under the block it served.
+* report_comm: the bytes this rank sent per step (CommLog) beside the ring formula
+  (apparatus/sharding.py's comm_formula) and beside DDP's, and for fsdp the story table.
+
+What each rank *holds* is measured by apparatus/sharding.py (held_bytes, report_bytes),
+which lessons 16 and 19 use too.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from apparatus.sharding import comm_formula, recipe_shapes
+
+
+def flat_row(params, size: int, device, grad: bool = False) -> torch.Tensor:
+    """The parameters (or, with grad=True, their gradients; zeros for a parameter without one)
+    one after another in one flat row, zeros up to `size`: ShardedOptimizer's collectives."""
+    tensors = [(torch.zeros_like(p) if p.grad is None else p.grad) if grad else p for p in params]
+    n = sum(t.numel() for t in tensors)
+    return torch.cat([t.reshape(-1) for t in tensors] + [torch.zeros(size - n, device=device)])
+
+
+def unflatten(rows: torch.Tensor, shards) -> None:
+    """Copy row r back into the parameters of shards[r], for every r."""
+    for row, shard in zip(rows, shards):
+        for p, new in zip(shard, pieces(row, shard)):
+            p.copy_(new)
+
+
+def pieces(row: torch.Tensor, shard) -> list[torch.Tensor]:
+    """The views of a flat row that hold each tensor of `shard`, shaped like it."""
+    sizes = [p.numel() for p in shard]
+    return [v.view_as(p) for p, v in zip(shard, row[:sum(sizes)].split(sizes))]
+
+
+class FSDPStory:
+    """with FSDPStory() as story: ...  ->  story.rows(log.calls, step) after training.
+
+    FSDP2 logs a debug line at each hook it runs ("FSDP::pre_forward (blocks.0)") on the
+    logger torch.distributed.fsdp.fully_shard, before the hook issues its collectives. We
+    note the time of each line; a collective CommLog saw belongs to the last line before it.
+    """
+
+    LOGGER = "torch.distributed.fsdp.fully_shard"
+
+    def __init__(self):
+        self.marks: list[tuple[float, str]] = []
+        self._handler = logging.Handler(logging.DEBUG)
+        self._handler.emit = lambda record: self.marks.append((time.perf_counter(), record.getMessage()))
+
+    def __enter__(self) -> "FSDPStory":
+        logger = logging.getLogger(self.LOGGER)
+        self._level, self._propagate = logger.level, logger.propagate
+        logger.setLevel(logging.DEBUG)
+        logger.propagate = False  # our handler only: nothing printed
+        logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeHandler(self._handler)
+        logger.setLevel(self._level)
+        logger.propagate = self._propagate
+
+    def rows(self, calls, step: int) -> list[list[str]]:
+        """[hook, module, collectives it issued] for training step `step` (0-based)."""
+        starts = [i for i, (_, text) in enumerate(self.marks) if text == "FSDP::root_pre_forward"]
+        if step >= len(starts):
+            return []
+        end = starts[step + 1] if step + 1 < len(starts) else len(self.marks)
+        marks = self.marks[starts[step]:end]
+        stop = self.marks[end][0] if end < len(self.marks) else math.inf
+        out = []
+        for i, (t, text) in enumerate(marks):
+            until = marks[i + 1][0] if i + 1 < len(marks) else stop
+            issued = [c for c in calls if t <= c.start < until]
+            hook, _, module = text.removeprefix("FSDP::").partition(" ")
+            if not issued and hook not in ("pre_forward", "pre_backward", "post_backward"):
+                continue
+            what = ", ".join(f"{c.kind.replace('_single', '').replace('_', '-')} "
+                             f"{c.data_bytes / 1024:,.1f} KiB" for c in issued) or "-"
+            out.append([hook, module.strip("()") or "root", what])
+        return out
+
+
+def kib(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+def report_comm(ui, log, story, args, optimizer) -> dict:
+    """Bytes this rank sent per step (CommLog) beside the formula and DDP's; for fsdp, what
+    FSDP2 did around each module in the second step."""
+    world, strategy, steps = dist.get_world_size(), args.strategy, args.steps
+    reshard, shapes = args.reshard_after_forward, recipe_shapes()
+    comm = log.summary(steps)
+    sent = comm["sent_bytes_per_step"]
+    expected = comm_formula(strategy, shapes, world, getattr(optimizer, "size", 0), reshard)
+    ddp = comm_formula("ddp", shapes, world, 0, True)
+    ui.print(f"{comm['calls_per_step']:.0f} collectives per step; rank 0 sent {kib(sent)} per "
+             f"step (formula {kib(expected)}); DDP's all-reduce sends {kib(ddp)}: "
+             f"{sent / ddp if ddp else 0:.2f}x")
+    if strategy == "fsdp":
+        ui.table("What FSDP2 did around each module in step 2 (rank 0)",
+                 ["hook", "module", "collectives it issued"], story.rows(log.calls, 1))
+    return {"comm_bytes_per_step": sent, "comm_formula_bytes": expected, "ddp_comm_bytes": ddp,
+            "comm_calls_per_step": comm["calls_per_step"], "strategy": strategy,
+            "reshard_after_forward": reshard}
