@@ -9,7 +9,7 @@ tensor `key`, sorted by offsets: the file name (e.g. "__1_0.distcp"), where the 
 in the whole tensor (a tuple, one number per dimension), and its shape (a tuple).
 Hint: FileSystemReader(folder).read_metadata(); metadata.state_dict_metadata[key].chunks
 (each has .offsets and .sizes); metadata.storage_data maps MetadataIndex(key, offsets) to
-where the bytes are (.relative_path). Lesson 16, Step 10, and lessons/16_distributed_checkpoint/checkpointing.py.
+where the bytes are (.relative_path). Lesson 16, Step 6, and lessons/16_distributed_checkpoint/checkpointing.py.
 
 Check it:  make check-16   (3 gloo ranks save an FSDP2-sharded model with dcp.save; your
                             answer must match the pieces each rank wrote, tensor by tensor)

@@ -47,7 +47,7 @@ def test_stopped_run_leaves_one_shard_per_rank_and_no_results(runs):
     for name, data in runs["saved"].items():  # the lesson lists each file with its size
         assert name in out and f"{len(data):,}" in out
     assert not (runs["base"] / "stopped" / "final.pt").exists()
-    assert f"--resume {runs['ckpt']}" in out and "Step 11" not in out  # saved, and exited
+    assert f"--resume {runs['ckpt']}" in out and "Step 7" not in out  # saved, and exited
 
 
 def test_resumed_at_three_ranks_ends_with_the_uninterrupted_weights(runs, reference):
@@ -59,6 +59,7 @@ def test_resumed_at_three_ranks_ends_with_the_uninterrupted_weights(runs, refere
     ref = reference["losses"][STOP:].tolist()
     assert metrics["losses"] == pytest.approx(ref, abs=1e-4)
     assert metrics["reference_losses"] == pytest.approx(ref, abs=1e-12)
+    assert not {"memory_bytes", "per_rank_bytes", "activations_bf16_bytes"} & set(metrics)  # lessons 13, 15's
     out = runs["resumed"]
     assert "resumed after step 3 on 3 ranks" in out and "AdamW's step counter" in out
     assert ": 3" in out.split("AdamW's step counter")[1].splitlines()[0]  # restored, not 0
@@ -123,3 +124,8 @@ def test_bad_checkpoint_from_the_command_line_has_no_traceback(runs, tmp_path):
 def test_stop_at_step_must_come_before_the_end(monkeypatch, capsys):
     line = parse_error(import_lesson("16"), ["--steps", "5", "--stop-at-step", "5"], monkeypatch, capsys)
     assert "--stop-at-step 5" in line
+
+
+def test_world_size_follows_part_2s_rule(monkeypatch, capsys):
+    line = parse_error(import_lesson("16"), ["--world-size", "5"], monkeypatch, capsys)
+    assert "--world-size must divide the global batch of 48 rows" in line and "1, 2, 3, 4, 6, 8" in line
