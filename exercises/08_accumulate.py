@@ -10,7 +10,7 @@ far from the run without accumulation.
 Your task: one all-reduce per optimizer step (the check counts them with a DDP
 communication hook, as the lesson does), and final weights equal to training without
 accumulation, to 1e-5.
-Hint: lesson 08, Step 6 (the loop) and Step 7 (where no_sync() must go; the loss scale).
+Hint: lesson 08, Step 5 (the loop) and Step 6 (where no_sync() must go; the loss scale).
 
 Check it:  make check-08   (runs 2 ranks on gloo, twice: 4 and 2 micro-batches per step)
 """

@@ -5,7 +5,9 @@ Parent: lesson 05 (lessons/05_ddp_spawn.py)
 New since lesson 05: each rank adds up the gradients of `--accum-steps` micro-batches
 before one optimizer step (a big batch that does not fit in memory at once). Inside
 `with ddp_model.no_sync():` DDP does not all-reduce, so gradients travel once per step, not
-once per micro-batch. Step 7 compares the naive loop and two classic mistakes with it.
+once per micro-batch. Step 6 compares the naive loop and two classic mistakes with it.
+Lesson 05's start is kept, with spawn() from common/distributed.py in place of mp.spawn, and
+its gradient-average check stays in lesson 05.
 
 Run:
     make lesson-08                                   # 2 ranks x 4 micro-batches of 12
@@ -26,20 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import accumulation
 from apparatus.comm import CommLog, counted_ddp
 from common import recipe
-from common.cli import fail, lesson_parser, positive_float, positive_int, run
+from common.cli import lesson_parser, positive_float, positive_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
-from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, master_address,
-                                say_each, supervise, world_rows)
+from common.distributed import (WORLD_COLUMNS, host_store, master_address, say_each, spawn,
+                                world_rows)
 from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
 from apparatus.ui import UI, Timer
-from common.processes import share_terminal_with_children
 
 # More ranks than this on one machine teach nothing but waiting; and each rank is a whole
 # Python process with torch loaded: about 0.4 GB of memory (PSS) each, measured here.
@@ -66,14 +66,14 @@ def main() -> None:
     ui.title(f"Lesson 08: gradient accumulation over {args.accum_steps} micro-batches "
              f"with no_sync(), on {args.world_size} processes")
 
-    # Step 1: Start one process per rank with mp.spawn
+    # Step 1: Start one process per rank with spawn()
     # One process per device is DDP's rule: with 2 GPUs, 2 processes each own one GPU; on a
     # CPU-only machine the processes share the cores and talk over gloo. MASTER_ADDR and
     # MASTER_PORT tell every process where the rendezvous *store* is, a small key-value
     # server they use to find each other. The parent hosts it, listening on 127.0.0.1 only
     # (a TCPStore of its own would listen on every interface), and holds the port until
     # the job ends: a second job on the same port fails at once instead of joining ours.
-    ui.step(1, "Start one process per rank with mp.spawn")
+    ui.step(1, "Start one process per rank with spawn()")
     kind, note = plan_device(args.device, args.world_size)
     if note:
         ui.print(f"[yellow]note:[/yellow] {note}")
@@ -81,30 +81,18 @@ def main() -> None:
     addr, port = master_address(args.master_port)  # --master-port, else $MASTER_ADDR/$MASTER_PORT
     store, port = host_store(addr, port, args.timeout)  # lives (and holds the port) until we exit
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    ui.print(f"the store listens on {addr}:{port}; next, mp.spawn(worker, nprocs={args.world_size}) "
+    ui.print(f"the store listens on {addr}:{port}; next, spawn(worker, nprocs={args.world_size}) "
              f"starts the ranks and each runs worker(rank, ...)")
-    # --step: the children get /dev/null as stdin, so tell rank 0 which terminal to ask on
-    share_terminal_with_children()
     ui.pause(next_step=(2, "Join the process group"))
-    # mp.spawn starts the processes with the "spawn" method (a fresh Python each), calls
-    # worker(i, *args) in process i, and with join=True waits for all of them. If one
-    # raises, mp.spawn terminates the others and re-raises here: no rank waits forever.
-    # supervise(): Ctrl-C, SIGTERM or SIGHUP stop every rank before the parent says a word.
-    try:
-        with supervise():
-            mp.spawn(worker, args=(args.world_size, args, kind, folder), nprocs=args.world_size,
-                     join=True)
-    except mp.ProcessRaisedException as exc:
-        error = [line for line in str(exc.msg).splitlines() if line.strip()][-1]
-        fail(f"rank {exc.error_index} failed with {error}; mp.spawn stopped the other ranks", code=1)
-    except mp.ProcessExitedException as exc:
-        fail(f"rank {exc.error_index} exited ({exc.signal_name or f'code {exc.exit_code}'}); "
-             f"mp.spawn stopped the other ranks", code=1)
+    # spawn() does lesson 05's mp.spawn(..., join=True) job, the package's one way to start
+    # ranks (common/distributed.py): each rank is forked from a server that imported torch
+    # once, rank 0 gets this terminal for --step, and if one rank fails the others are
+    # stopped and the job ends with one line naming it. Ctrl-C stops every rank first.
+    spawn(worker, (args.world_size, args, kind, folder), args.world_size)
 
 
 def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
-    """What every process runs. mp.spawn passes the rank as the first argument."""
-    die_with_parent()  # if the parent is killed (even kill -9), the kernel ends this rank too
+    """What every process runs. spawn() passes the rank as the first argument."""
     ui = UI(rank, world_size, step_mode=args.step)
     share_cpu(world_size)  # each rank gets its share of the cores, not all of them
 
@@ -162,29 +150,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     ui.print(f"the real model is ddp_model.module ({type(ddp_model.module).__name__}); "
              f"DDP's state_dict keys carry a prefix: {keys[:2]} ...")
 
-    # Step 5: See that gradients are averaged
-    # Compute one batch's gradient twice: first *locally* (inside no_sync(), DDP does not
-    # communicate), then normally. DDP's gradient must equal the mean of all ranks' local
-    # gradients, on every rank. No optimizer step is taken: training below is unaffected.
-    ui.step(5, "See that gradients are averaged")
-    x, y = next(iter(loader))
-    x, y = x.to(device), y.to(device)
-    with ddp_model.no_sync():
-        F.cross_entropy(ddp_model(x), y).backward()
-    local = model.head.weight.grad.clone()
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
-    mean_of_locals = torch.stack(gathered).mean(0)
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(ddp_model(x), y).backward()  # the all-reduce happens during this backward
-    synced = model.head.weight.grad
-    gap = (synced - mean_of_locals).abs().max().item()
-    say_each(ui, f"head.weight.grad[0,:3] local {fmt(local[0, :3])}\n"
-                 f"  after DDP {fmt(synced[0, :3])}\n  |DDP - mean of all ranks' local| = {gap:.1e}")
-    torch.testing.assert_close(synced, mean_of_locals)
-    optimizer.zero_grad(set_to_none=True)
-
-    # Step 6: Accumulate with no_sync: one sync per optimizer step
+    # Step 5: Accumulate with no_sync: one sync per optimizer step
     # The loop is lesson 01's, plus sampler.set_epoch(epoch): without it every epoch would
     # replay epoch 0's order. The loss each rank sees is its local batch's; the global
     # batch's loss is their average over ranks. We keep each step's loss on the device and
@@ -193,7 +159,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     # New: every micro-batch but the last runs forward *and* backward inside no_sync(), and
     # only adds into .grad; the last one's backward all-reduces the sum, once. Each loss is
     # divided by `accum`, so the summed gradient is the mean over the step's 96 samples.
-    ui.step(6, "Accumulate with no_sync: one sync per optimizer step")
+    ui.step(5, "Accumulate with no_sync: one sync per optimizer step")
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # this rank's losses since the last log, not yet synced
     steps = args.epochs * (len(loader) // accum)
@@ -228,21 +194,21 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
                            timer.rate(len(losses) * recipe.GLOBAL_BATCH))
     wall = timer.seconds
 
-    # Step 7: Compare with naive accumulation and two mistakes
-    # The loop of Step 6 on fresh models, one thing changed each (lessons/08_no_sync_accumulation/accumulation.py): no
+    # Step 6: Compare with naive accumulation and two mistakes
+    # The loop of Step 5 on fresh models, one thing changed each (lessons/08_no_sync_accumulation/accumulation.py): no
     # no_sync; no_sync around the forward only, or the backward only (DDP decides at
     # *forward* time whether backward syncs); no `/ accum`; a step after every micro-batch.
-    ui.step(7, "Compare with naive accumulation and two mistakes")
+    ui.step(6, "Compare with naive accumulation and two mistakes")
     reference = recipe.train_reference(args.seed, args.epochs, data) if rank == 0 else None
     no_sync = accumulation.result(log, model, steps, reference, data, device)
     naive, variants = accumulation.compare(ui, args, data, device, loader, sampler, reference,
                                            no_sync, model)
 
-    # Step 8: Save on rank 0, then wait at a barrier
+    # Step 7: Save on rank 0, then wait at a barrier
     # All ranks hold the same weights, so one file is enough: rank 0 writes it. Every rank
     # writing the same path would race; and a rank that reads the file must wait until it
     # is complete, which is what the barrier is for.
-    ui.step(8, "Save on rank 0, then wait at a barrier")
+    ui.step(7, "Save on rank 0, then wait at a barrier")
     weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
     if rank == 0:
         diff = max_abs_diff(weights, reference)
@@ -271,19 +237,15 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
                    f"{max_abs_diff(saved, weights):.1e}")
     dist.barrier()
 
-    # Step 9: Leave the process group
+    # Step 8: Leave the process group
     # Free everything that holds the process group (the DDP model's reducer) and collect
     # garbage *before* destroying the group. On torch 2.14.1 gloo otherwise aborts at exit
     # now and then ("terminate called without an active exception").
-    ui.step(9, "Leave the process group")
+    ui.step(8, "Leave the process group")
     del ddp_model, model, optimizer
     gc.collect()
     dist.destroy_process_group()
     ui.print("done: every rank left the process group cleanly")
-
-
-def fmt(t: torch.Tensor) -> str:
-    return "[" + ", ".join(f"{v:+.4f}" for v in t.tolist()) + "]"
 
 
 if __name__ == "__main__":

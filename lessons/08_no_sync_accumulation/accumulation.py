@@ -1,11 +1,11 @@
 """Lesson 08's instrument: one gradient-accumulation run, counted, with one thing changed.
 
-Lesson 08 (lessons/08_no_sync_accumulation.py) trains with no_sync() in its Step 6 and keeps
-that loop in the lesson. The runs its Step 7 compares it with (the naive loop, the three places
+Lesson 08 (lessons/08_no_sync_accumulation.py) trains with no_sync() in its Step 5 and keeps
+that loop in the lesson. The runs its Step 6 compares it with (the naive loop, the three places
 to put no_sync(), two classic mistakes) are the same loop with one thing changed, so they
 live here, in one function, `measure()`, and `compare()` prints them side by side:
 
-    no_sync_around="none"      no no_sync at all: every backward all-reduces (Step 5)
+    no_sync_around="none"      no no_sync at all: every backward all-reduces
     no_sync_around="forward"   only the forward inside no_sync(), backward outside
     no_sync_around="backward"  forward outside, only the backward inside
     no_sync_around="both"      forward and backward inside: the right way
@@ -78,7 +78,7 @@ def result(log: CommLog, model, steps: int, reference, data, device) -> dict:
 
 def measure(args, data, device, loader, sampler, reference, *, no_sync_around="both",
             divide_loss=True, step_every_micro_batch=False) -> tuple[dict, dict, CommLog]:
-    """Lesson 08's Step 6 loop on a fresh model with one thing changed: (result, weights, log)."""
+    """Lesson 08's Step 5 loop on a fresh model with one thing changed: (result, weights, log)."""
     accum = args.accum_steps
     model = recipe.make_model(args.seed, data.in_features, data.classes).to(device)
     ddp_model = counted_ddp(model, **bucket_kwargs(args))
@@ -137,7 +137,7 @@ PLACES = {"no_sync_forward_only": ("forward", "forward only"),
 
 def compare(ui, args, data, device, loader, sampler, reference, no_sync: dict,
             no_sync_model) -> tuple[dict, dict]:
-    """Lesson 08's Step 7: the naive loop, the three places for no_sync, the two mistakes,
+    """Lesson 08's Step 6: the naive loop, the three places for no_sync, the two mistakes,
     each on a fresh model; prints the tables and returns (naive, variants) for metrics.json."""
     rank = dist.get_rank()
     naive, w_naive, log = measure(args, data, device, loader, sampler, reference,

@@ -81,12 +81,12 @@ def check(path: Path) -> str:
             raise NotYet(f"{setup}: DDP all-reduced the gradients {r0['syncs']} times "
                          f"({r0['calls']} bucket calls) for {steps} optimizer steps; it should be "
                          f"once per step. Which backward passes should sync, and where does "
-                         f"DDP decide that? (lesson 08, Steps 6 and 7)")
+                         f"DDP decide that? (lesson 08, Steps 5 and 6)")
         diff = max_diff(r0["weights"], reference)
         if diff > 1e-5:
             raise NotYet(f"{setup}: one all-reduce per step, but the weights are {diff:.1e} away "
                          f"from one process training on each global batch of 96 at once (allowed: "
                          f"1e-5). Compare the accumulated gradient with the big batch's: what "
-                         f"does each micro-batch's loss average over? (lesson 08, Step 7)")
+                         f"does each micro-batch's loss average over? (lesson 08, Step 6)")
     return (f"{world} ranks, 4 and 2 micro-batches per step: one all-reduce per optimizer step, "
             f"and the weights of training without accumulation (max diff {diff:.1e})")
