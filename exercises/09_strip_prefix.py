@@ -9,7 +9,7 @@ expects. As written it uses `k.replace(prefix, "")`, which looks right on lesson
 Your task: remove `prefix` from the *start* of every key that starts with it, and leave
 every other key as it is (so that stripping a checkpoint that has no prefix changes
 nothing). Return a new dict with the same tensors.
-Hint: lesson 09, Step 8 (and the table it prints; the code is strip_by_hand in lessons/09_checkpoint_keys/checkpoint_keys.py).
+Hint: lesson 09, Step 7 (and the table it prints; the code is strip_by_hand in lessons/09_checkpoint_keys/checkpoint_keys.py).
 
 Check it:  make check-09   (saves a real DDP model with such parts, in a world of one,
                             strips it with your function and loads it strictly)

@@ -6,7 +6,9 @@ New since lesson 05: saving and loading. Rank 0 saves the DDP model itself, a pl
 refuses the file (`module.fc1.weight` is not `fc1.weight`), three fixes (and why
 `k.replace("module.", "")` is a bug), every wrapper's prefix and one loader for all of them
 (load_into), map_location and weights_only=True (lessons/09_checkpoint_keys/checkpoint_keys.py shows these);
-last, lesson 05's rule made visible: rank 0 writes, a barrier, every rank loads.
+last, lesson 05's rule made visible: rank 0 writes, a barrier, every rank loads. Lesson 05's
+start is kept, with spawn() from common/distributed.py in place of mp.spawn, and its
+gradient-average check stays in lesson 05.
 
 Run:
     make lesson-09
@@ -26,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from rich.markup import escape  # error texts hold [brackets] that rich would read as markup
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
@@ -36,14 +37,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 import checkpoint_keys as shown_keys
 from common import recipe
 from apparatus.state_dicts import load_into
-from common.cli import fail, lesson_parser, run
+from common.cli import lesson_parser, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
-from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, master_address,
-                                say_each, supervise, world_rows)
+from common.distributed import WORLD_COLUMNS, host_store, master_address, spawn, world_rows
 from apparatus.results import (claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict,
                             save_results, shown)
 from apparatus.ui import UI, Timer
-from common.processes import share_terminal_with_children
 
 # More ranks than this on one machine teach nothing but waiting; and each rank is a whole
 # Python process with torch loaded: about 0.4 GB of memory (PSS) each, measured here.
@@ -63,14 +62,14 @@ def main() -> None:
     ui = UI(step_mode=args.step)
     ui.title(f"Lesson 09: the module. prefix in checkpoints, on {args.world_size} processes")
 
-    # Step 1: Start one process per rank with mp.spawn
+    # Step 1: Start one process per rank with spawn()
     # One process per device is DDP's rule: with 2 GPUs, 2 processes each own one GPU; on a
     # CPU-only machine the processes share the cores and talk over gloo. MASTER_ADDR and
     # MASTER_PORT tell every process where the rendezvous *store* is, a small key-value
     # server they use to find each other. The parent hosts it, listening on 127.0.0.1 only
     # (a TCPStore of its own would listen on every interface), and holds the port until
     # the job ends: a second job on the same port fails at once instead of joining ours.
-    ui.step(1, "Start one process per rank with mp.spawn")
+    ui.step(1, "Start one process per rank with spawn()")
     kind, note = plan_device(args.device, args.world_size)
     if note:
         ui.print(f"[yellow]note:[/yellow] {note}")
@@ -78,30 +77,18 @@ def main() -> None:
     addr, port = master_address(args.master_port)  # --master-port, else $MASTER_ADDR/$MASTER_PORT
     store, port = host_store(addr, port, args.timeout)  # lives (and holds the port) until we exit
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    ui.print(f"the store listens on {addr}:{port}; next, mp.spawn(worker, nprocs={args.world_size}) "
+    ui.print(f"the store listens on {addr}:{port}; next, spawn(worker, nprocs={args.world_size}) "
              f"starts the ranks and each runs worker(rank, ...)")
-    # --step: the children get /dev/null as stdin, so tell rank 0 which terminal to ask on
-    share_terminal_with_children()
     ui.pause(next_step=(2, "Join the process group"))
-    # mp.spawn starts the processes with the "spawn" method (a fresh Python each), calls
-    # worker(i, *args) in process i, and with join=True waits for all of them. If one
-    # raises, mp.spawn terminates the others and re-raises here: no rank waits forever.
-    # supervise(): Ctrl-C, SIGTERM or SIGHUP stop every rank before the parent says a word.
-    try:
-        with supervise():
-            mp.spawn(worker, args=(args.world_size, args, kind, folder), nprocs=args.world_size,
-                     join=True)
-    except mp.ProcessRaisedException as exc:
-        error = [line for line in str(exc.msg).splitlines() if line.strip()][-1]
-        fail(f"rank {exc.error_index} failed with {error}; mp.spawn stopped the other ranks", code=1)
-    except mp.ProcessExitedException as exc:
-        fail(f"rank {exc.error_index} exited ({exc.signal_name or f'code {exc.exit_code}'}); "
-             f"mp.spawn stopped the other ranks", code=1)
+    # spawn() does lesson 05's mp.spawn(..., join=True) job, the package's one way to start
+    # ranks (common/distributed.py): each rank is forked from a server that imported torch
+    # once, rank 0 gets this terminal for --step, and if one rank fails the others are
+    # stopped and the job ends with one line naming it. Ctrl-C stops every rank first.
+    spawn(worker, (args.world_size, args, kind, folder), args.world_size)
 
 
 def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
-    """What every process runs. mp.spawn passes the rank as the first argument."""
-    die_with_parent()  # if the parent is killed (even kill -9), the kernel ends this rank too
+    """What every process runs. spawn() passes the rank as the first argument."""
     ui = UI(rank, world_size, step_mode=args.step)
     share_cpu(world_size)  # each rank gets its share of the cores, not all of them
 
@@ -152,35 +139,13 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
     ui.print(f"the real model is ddp_model.module ({type(ddp_model.module).__name__}); "
              f"DDP's state_dict keys carry a prefix: {keys[:2]} ...")
 
-    # Step 5: See that gradients are averaged
-    # Compute one batch's gradient twice: first *locally* (inside no_sync(), DDP does not
-    # communicate), then normally. DDP's gradient must equal the mean of all ranks' local
-    # gradients, on every rank. No optimizer step is taken: training below is unaffected.
-    ui.step(5, "See that gradients are averaged")
-    x, y = next(iter(loader))
-    x, y = x.to(device), y.to(device)
-    with ddp_model.no_sync():
-        F.cross_entropy(ddp_model(x), y).backward()
-    local = model.head.weight.grad.clone()
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
-    mean_of_locals = torch.stack(gathered).mean(0)
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(ddp_model(x), y).backward()  # the all-reduce happens during this backward
-    synced = model.head.weight.grad
-    gap = (synced - mean_of_locals).abs().max().item()
-    say_each(ui, f"head.weight.grad[0,:3] local {fmt(local[0, :3])}\n"
-                 f"  after DDP {fmt(synced[0, :3])}\n  |DDP - mean of all ranks' local| = {gap:.1e}")
-    torch.testing.assert_close(synced, mean_of_locals)
-    optimizer.zero_grad(set_to_none=True)
-
-    # Step 6: Train
+    # Step 5: Train
     # The loop is lesson 01's, plus sampler.set_epoch(epoch): without it every epoch would
     # replay epoch 0's order. The loss each rank sees is its local batch's; the global
     # batch's loss is their average over ranks. We keep each step's loss on the device and
     # average them every `log_every` steps in one all-reduce: `.item()` makes the CPU wait
     # for the GPU to finish, and once per step that wait would stall the pipeline.
-    ui.step(6, "Train")
+    ui.step(5, "Train")
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # this rank's losses since the last log, not yet synced
     steps = args.epochs * len(loader)
@@ -207,12 +172,12 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
                            timer.rate(len(losses) * recipe.GLOBAL_BATCH))
     wall = timer.seconds
 
-    # Step 7: Save the DDP model's state_dict: a plain model refuses it
+    # Step 6: Save the DDP model's state_dict: a plain model refuses it
     # DDP keeps your model as its child `module`, and state_dict() names every tensor by
     # its path from the object you call it on: `module.fc1.weight`. A plain model expects
     # `fc1.weight`; load_state_dict is strict by default, refuses, and lists both sides.
-    # Steps 7-10 run on rank 0 while the other ranks wait at Step 11's barrier.
-    ui.step(7, "Save the DDP model's state_dict: a plain model refuses it")
+    # Steps 6-9 run on rank 0 while the other ranks wait at Step 10's barrier.
+    ui.step(6, "Save the DDP model's state_dict: a plain model refuses it")
     solo = dist.new_group([0])  # every rank makes it; rank 0 alone wraps models in DDP over it
     ddp_path, module_path = folder / "ddp_model.pt", folder / "model.pt"
     if rank == 0:
@@ -225,11 +190,11 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
             ui.print(f"RuntimeError: {escape(first_error)}")
         shown_keys.strict_false(ui, plain, ddp_path, data, device)
 
-    # Step 8: Three fixes: save the module, consume the prefix, strip it by hand
+    # Step 7: Three fixes: save the module, consume the prefix, strip it by hand
     # Fix 1, at save time (as lesson 05 does): save the model inside the wrapper. Fix 2:
     # consume_prefix_in_state_dict_if_present strips it *in place* (it returns None). Fix 3:
     # k.removeprefix("module."), not k.replace, which breaks a child called `module`.
-    ui.step(8, "Three fixes: save the module, consume the prefix, strip it by hand")
+    ui.step(7, "Three fixes: save the module, consume the prefix, strip it by hand")
     if rank == 0:
         torch.save(ddp_model.module.state_dict(), module_path)  # fix 1
         fixed = plain.load_state_dict(torch.load(module_path, weights_only=True))
@@ -239,32 +204,32 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
                  f"the dict in place: {list(state)[:2]} ...: {plain.load_state_dict(state)}")
         replaced, stripped, replace_bug = shown_keys.strip_by_hand(ui, device, solo, args.seed)
 
-    # Step 9: Wrappers in wrappers, and one loader for all: load_into
+    # Step 8: Wrappers in wrappers, and one loader for all: load_into
     # DataParallel keeps the model in `.module` too, torch.compile in `._orig_mod`, and
     # wrappers nest. apparatus/state_dicts.py's load_into(model, source) unwraps the target,
     # strips wrapper prefixes (at the start of a key, while every key has one) and loads
     # strictly; lessons/09_checkpoint_keys/checkpoint_keys.py tries every pair, weight by weight.
-    ui.step(9, "Wrappers in wrappers, and one loader for all: load_into")
+    ui.step(8, "Wrappers in wrappers, and one loader for all: load_into")
     if rank == 0:
         make = shown_keys.maker(args.seed, data, device)  # make(k): a fresh model, seed + k
         first_keys = shown_keys.wrapper_prefixes(ui, make, device, solo)
         matrix, worst, mistakes = shown_keys.load_into_matrix(ui, make, plain_state_dict(model), device, solo, {
             "a TinyNet checkpoint": (plain, stripped), "the k.replace keys": (shown_keys.TinyNet(), replaced)})
 
-    # Step 10: Across devices: map_location and weights_only=True
+    # Step 9: Across devices: map_location and weights_only=True
     # torch.save records each tensor's device in the file, and torch.load puts it back
     # there unless map_location says otherwise. weights_only=True (torch.load's default
     # since 2.6) unpickles only tensors and plain containers: a file cannot run code.
-    ui.step(10, "Across devices: map_location and weights_only=True")
+    ui.step(9, "Across devices: map_location and weights_only=True")
     locations = (shown_keys.devices_and_types(ui, model, plain, module_path, folder, args.epochs)
                  if rank == 0 else None)
 
-    # Step 11: Every rank loads rank 0's file after a barrier
-    # All ranks hold the same weights, so one file is enough: rank 0 wrote it in Step 7.
+    # Step 10: Every rank loads rank 0's file after a barrier
+    # All ranks hold the same weights, so one file is enough: rank 0 wrote it in Step 6.
     # Every rank writing the same path would race; and a rank that reads the file must wait
     # until it is complete, which is what the barrier is for. Each rank starts from its own
     # random weights here, so the weight sums show that every load really happened.
-    ui.step(11, "Every rank loads rank 0's file after a barrier")
+    ui.step(10, "Every rank loads rank 0's file after a barrier")
     weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
     fresh = recipe.make_model(args.seed + 100 + rank, data.in_features, data.classes).to(device)
     before = shown_keys.checksum(fresh)
@@ -290,19 +255,15 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
                     else "(NO: something differs from lesson 01's recipe)"))
     dist.barrier()
 
-    # Step 12: Leave the process group
+    # Step 11: Leave the process group
     # Free everything that holds the process group (the DDP model's reducer) and collect
     # garbage *before* destroying the group. On torch 2.14.1 gloo otherwise aborts at exit
     # now and then ("terminate called without an active exception").
-    ui.step(12, "Leave the process group")
+    ui.step(11, "Leave the process group")
     del ddp_model, model, optimizer
     gc.collect()
     dist.destroy_process_group()
     ui.print("done: every rank left the process group cleanly")
-
-
-def fmt(t: torch.Tensor) -> str:
-    return "[" + ", ".join(f"{v:+.4f}" for v in t.tolist()) + "]"
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def _rank_09(rank: int, world: int, path: str) -> dict:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    # Lesson 09's own model (Step 8): keys stem.submodule.*, block.module.*, head.*
+    # Lesson 09's own model (Step 7): keys stem.submodule.*, block.module.*, head.*
     from checkpoint_keys import TinyNet
     from check_exercise import NotYet, load
 
@@ -61,7 +61,7 @@ def check(path: Path) -> str:
         raise NotYet(f"DDP(TinyNet()).state_dict(), stripped of 'module.', does not load strictly "
                      f"into a plain TinyNet: your function turned {listed(wrong, 2)}, and the "
                      f"model misses {listed(missing, 4)}. Which part of each key belongs to "
-                     f"the wrapper? (lesson 09, Step 5)" if wrong or missing else
+                     f"the wrapper? (lesson 09, Step 7)" if wrong or missing else
                      f"DDP(TinyNet()).state_dict(), stripped of 'module.', does not load into a "
                      f"plain TinyNet: {ddp['error'][:300]}")
     if ddp["max_diff"] != 0:
