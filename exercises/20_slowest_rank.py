@@ -1,6 +1,6 @@
 """Exercise 20: which rank made the others wait? Read it from the profiler's traces.
 
-A job is slow. Every rank wrote a Chrome trace (lesson 20, Step 6), and in every trace each
+A job is slow. Every rank wrote a Chrome trace (lesson 20, Step 5), and in every trace each
 `gloo:all_reduce` event lasts from the moment that rank *started* the all-reduce until the
 moment it was done. An all-reduce cannot finish before the last rank has arrived, so the
 ranks that arrived early wait inside it, and their all-reduce events are long; the rank

@@ -17,8 +17,10 @@ Run:
 
 Doc: docs/20_observability.md
 """
+import contextlib
 import datetime
 import gc
+import io
 import os
 import sys
 from pathlib import Path
@@ -28,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -38,13 +39,13 @@ import traces as trace
 from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
-from common.distributed import (WORLD_COLUMNS, die_with_parent, host_store, master_address,
-                                say_each, supervise, world_rows)
-from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
+from common.distributed import WORLD_COLUMNS, host_store, master_address, spawn, world_rows
+from apparatus.results import atomic_write, claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
 from apparatus.ui import UI, Timer
-from common.processes import share_terminal_with_children
 
-MAX_WORLD = 16  # more ranks than this on one machine teaches nothing but waiting
+# More ranks than this on one machine teach nothing but waiting; and each rank is a whole
+# Python process with torch loaded: about 0.4 GB of memory (PSS) each, measured here.
+MAX_WORLD = 16
 BUCKET_CAP_MB = 0.001  # ~1 KB buckets: our 22 KB MLP gets 3 buckets (DDP's default, 25 MB, gives 1)
 
 
@@ -67,20 +68,20 @@ def main() -> None:
     ui = UI(step_mode=args.step)
     ui.title(f"Lesson 20: a profiler trace and the flight recorder, on {args.world_size} DDP processes")
 
-    # Step 1: Start one process per rank with mp.spawn
+    # Step 1: Turn on the flight recorder, start the ranks with spawn()
     # One process per device is DDP's rule: with 2 GPUs, 2 processes each own one GPU; on a
     # CPU-only machine the processes share the cores and talk over gloo. MASTER_ADDR and
     # MASTER_PORT tell every process where the rendezvous *store* is, a small key-value
     # server they use to find each other. The parent hosts it, listening on 127.0.0.1 only
     # (a TCPStore of its own would listen on every interface), and holds the port until
     # the job ends: a second job on the same port fails at once instead of joining ours.
-    ui.step(1, "Start one process per rank with mp.spawn")
+    ui.step(1, "Turn on the flight recorder, start the ranks with spawn()")
     kind, note = plan_device(args.device, args.world_size)
     if note:
         ui.print(f"[yellow]note:[/yellow] {note}")
     folder = claim_out(out_dir("20", args.out))  # checked now, not after training; ours alone
     # The flight recorder: every rank keeps its last TORCH_FR_BUFFER_SIZE collectives in a
-    # ring buffer (read once, when the rank starts, so set it before mp.spawn). Dumps go to
+    # ring buffer (read once, when the rank starts, so set it before spawn()). Dumps go to
     # TORCH_FR_DUMP_TEMP_FILE + rank (NCCL's watchdog writes there itself on a timeout when
     # TORCH_NCCL_DUMP_ON_TIMEOUT=1; for gloo, worker() below writes them).
     os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
@@ -89,29 +90,24 @@ def main() -> None:
     addr, port = master_address(args.master_port)  # --master-port, else $MASTER_ADDR/$MASTER_PORT
     store, port = host_store(addr, port, args.timeout)  # lives (and holds the port) until we exit
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    ui.print(f"the store listens on {addr}:{port}; next, mp.spawn(worker, nprocs={args.world_size}) "
+    ui.print(f"the store listens on {addr}:{port}; next, spawn(worker, nprocs={args.world_size}) "
              f"starts the ranks and each runs worker(rank, ...)")
-    # --step: the children get /dev/null as stdin, so tell rank 0 which terminal to ask on
-    share_terminal_with_children()
     ui.pause(next_step=(2, "Join the process group"))
-    # mp.spawn starts the processes with the "spawn" method (a fresh Python each), calls
-    # worker(i, *args) in process i, and with join=True waits for all of them. If one
-    # raises, mp.spawn terminates the others and re-raises here: no rank waits forever.
-    # supervise(): Ctrl-C, SIGTERM or SIGHUP stop every rank before the parent says a word.
-    failed = None  # a failed run still left its traces and dumps: read them, then fail
+    # spawn() does lesson 05's mp.spawn(..., join=True) job (common/distributed.py: rank 0
+    # gets this terminal for --step; a failed rank stops the others, and spawn() exits with
+    # one line naming it). A failed run still left its traces and dumps: read them, then that line.
+    said, stopped = io.StringIO(), None
     try:
-        with supervise():
-            mp.spawn(worker, args=(args.world_size, args, kind, folder), nprocs=args.world_size,
-                     join=True)
-    except mp.ProcessRaisedException as exc:
-        error = [line for line in str(exc.msg).splitlines() if line.strip()][-1]
-        failed = f"rank {exc.error_index} failed with {error}; mp.spawn stopped the other ranks"
-    except mp.ProcessExitedException as exc:
-        failed = f"rank {exc.error_index} exited ({exc.signal_name or f'code {exc.exit_code}'}); the others were stopped"
-
-    read_back(ui, args, folder)  # Steps 9 and 10, after the ranks are gone
-    if failed:
-        fail(failed, code=1)
+        with contextlib.redirect_stderr(said):
+            spawn(worker, (args.world_size, args, kind, folder), args.world_size)
+    except SystemExit as exc:  # code 1 or 2: a rank failed; 129, 130, 143: Ctrl-C and the like
+        stopped = exc
+    # Not after Ctrl-C, nor after q at a --step pause: the ranks dump in Step 7, after the last one
+    if (stopped is None or stopped.code in (1, 2)) and any(folder.glob("fr_rank_*")):
+        read_back(ui, args, folder)  # Steps 8 and 9, after the ranks are gone
+    sys.stderr.write(said.getvalue())
+    if stopped:
+        raise stopped
 
 
 def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
@@ -126,7 +122,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
         trace.wait_for_dumps(os.environ["TORCH_FR_DUMP_TEMP_FILE"], world_size, 2 * args.timeout)
         print(f"[rank {rank}] {type(exc).__name__}: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
         # os._exit: a normal exit would first wait for this rank's other queued collectives to
-        # time out one by one; mp.spawn sees the exit code and stops the other ranks
+        # time out one by one; spawn() sees the exit code and stops the other ranks
         os._exit(1)
 
 
@@ -134,12 +130,12 @@ def dump_flight_recorder(rank: int) -> None:
     """This rank's recorder as JSON (the pickle form is for torch's own fr_trace tool)."""
     c10d = torch._C._distributed_c10d  # private, but it is what the watchdog and fr_trace use
     dump = c10d._dump_nccl_trace_json if dist.get_backend() == "nccl" else c10d._dump_fr_trace_json
-    trace.dump_path(os.environ["TORCH_FR_DUMP_TEMP_FILE"], rank).write_bytes(dump(True, False))
+    path = trace.dump_path(os.environ["TORCH_FR_DUMP_TEMP_FILE"], rank)
+    atomic_write(path, lambda f: f.write(dump(True, False)))  # whole or absent: spawn() may stop us next
 
 
 def train(rank: int, world_size: int, args, kind: str, folder) -> None:
-    """What every process runs. mp.spawn passes the rank as the first argument."""
-    die_with_parent()  # if the parent is killed (even kill -9), the kernel ends this rank too
+    """What every process runs (worker() calls it with the rank spawn() passed)."""
     ui = UI(rank, world_size, step_mode=args.step)
     share_cpu(world_size)  # each rank gets its share of the cores, not all of them
 
@@ -176,7 +172,7 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
     ui.print(f"global batch {recipe.GLOBAL_BATCH} = {world_size} ranks x {per_rank} samples; "
              f"{len(loader)} steps per epoch on every rank")
 
-    # Step 4: Wrap the model with DDP
+    # Step 4: Wrap the model with DDP, in small buckets
     # Same seed on every rank gives the same initial weights; DDP also broadcasts rank 0's
     # weights at construction, so the copies start identical either way. device_ids is for
     # GPUs only (one device per process); on the CPU it stays None.
@@ -184,35 +180,13 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
     # gradient every step. True would make DDP walk the autograd graph after each forward.
     # bucket_cap_mb: DDP all-reduces gradients in buckets, each as soon as all its gradients
     # are ready; tiny buckets give our tiny model several, so the trace can show the overlap.
-    ui.step(4, "Wrap the model with DDP")
+    ui.step(4, "Wrap the model with DDP, in small buckets")
     model = recipe.make_model(args.seed, data.in_features, data.classes).to(device)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     bucket_cap_mb=BUCKET_CAP_MB)
     optimizer = recipe.make_optimizer(ddp_model)
 
-    # Step 5: See that gradients are averaged
-    # Compute one batch's gradient twice: first *locally* (inside no_sync(), DDP does not
-    # communicate), then normally. DDP's gradient must equal the mean of all ranks' local
-    # gradients, on every rank. No optimizer step is taken: training below is unaffected.
-    ui.step(5, "See that gradients are averaged")
-    x, y = next(iter(loader))
-    x, y = x.to(device), y.to(device)
-    with ddp_model.no_sync():
-        F.cross_entropy(ddp_model(x), y).backward()
-    local = model.head.weight.grad.clone()
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
-    mean_of_locals = torch.stack(gathered).mean(0)
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(ddp_model(x), y).backward()  # the all-reduce happens during this backward
-    synced = model.head.weight.grad
-    gap = (synced - mean_of_locals).abs().max().item()
-    say_each(ui, f"head.weight.grad[0,:3] local {fmt(local[0, :3])}\n"
-                 f"  after DDP {fmt(synced[0, :3])}\n  |DDP - mean of all ranks' local| = {gap:.1e}")
-    torch.testing.assert_close(synced, mean_of_locals)
-    optimizer.zero_grad(set_to_none=True)
-
-    # Step 6: Train
+    # Step 5: Train under torch.profiler
     # The loop is lesson 01's, plus sampler.set_epoch(epoch): without it every epoch would
     # replay epoch 0's order. The loss each rank sees is its local batch's; the global
     # batch's loss is their average over ranks. We keep each step's loss on the device and
@@ -220,7 +194,7 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
     # for the GPU to finish, and once per step that wait would stall the pipeline.
     # The profiler records steps 3 and 4 (schedule: skip 1, warm up 1, record 2) and
     # then writes this rank's Chrome trace. record_shapes adds each all-reduce's sizes.
-    ui.step(6, "Train")
+    ui.step(5, "Train under torch.profiler")
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # this rank's losses since the last log, not yet synced
     steps = args.epochs * len(loader)
@@ -253,11 +227,11 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
                            timer.rate(len(losses) * recipe.GLOBAL_BATCH))
     wall = timer.seconds
 
-    # Step 7: Save on rank 0, then wait at a barrier
+    # Step 6: Save on rank 0, then wait at a monitored barrier
     # All ranks hold the same weights, so one file is enough: rank 0 writes it. Every rank
     # writing the same path would race; and a rank that reads the file must wait until it
     # is complete, which is what the barrier is for.
-    ui.step(7, "Save on rank 0, then wait at a barrier")
+    ui.step(6, "Save on rank 0, then wait at a monitored barrier")
     weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
     if rank == 0:
         reference = recipe.train_reference(args.seed, args.epochs, data)  # lesson 01's weights
@@ -283,12 +257,12 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
                    f"{max_abs_diff(saved, weights):.1e}")
     dist.barrier()
 
-    # Step 8: Leave the process group
+    # Step 7: Dump the flight recorder, leave the process group
     # Free everything that holds the process group (the DDP model's reducer) and collect
     # garbage *before* destroying the group. On torch 2.14.1 gloo otherwise aborts at exit
     # now and then ("terminate called without an active exception").
-    ui.step(8, "Leave the process group")
-    dump_flight_recorder(rank)  # for Step 10: what every rank called, in order
+    ui.step(7, "Dump the flight recorder, leave the process group")
+    dump_flight_recorder(rank)  # for Step 9: what every rank called, in order
     del ddp_model, model, optimizer
     gc.collect()
     dist.destroy_process_group()
@@ -297,23 +271,19 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
 
 def read_back(ui, args, folder) -> None:
     """What the ranks left behind: their traces and their flight recorders' dumps."""
-    # Step 9: Read the trace
+    # Step 8: Read the trace
     # Each rank's profiler wrote a Chrome trace: open it in https://ui.perfetto.dev (offline:
     # the page runs in your browser) or chrome://tracing. Here we read it back: per profiled
     # step, when backward ran and when each all-reduce ran on the backend's own threads.
-    ui.step(9, "Read the trace")
+    ui.step(8, "Read the trace")
     trace.report_traces(ui, folder, args.world_size)  # lessons/20_observability/traces.py: the tables
 
-    # Step 10: Read the flight recorder
+    # Step 9: Read the flight recorder
     # Every rank dumped its recorder (at the end, or when a collective timed out). Ranks
     # call collectives in the same order, so sequence numbers line up across ranks: the
     # first number that some rank never reached is where the job went wrong.
-    ui.step(10, "Read the flight recorder")
+    ui.step(9, "Read the flight recorder")
     trace.report_recorder(ui, os.environ["TORCH_FR_DUMP_TEMP_FILE"], args.world_size)
-
-
-def fmt(t: torch.Tensor) -> str:
-    return "[" + ", ".join(f"{v:+.4f}" for v in t.tolist()) + "]"
 
 
 if __name__ == "__main__":

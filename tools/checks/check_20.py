@@ -53,6 +53,6 @@ def check(path: Path) -> str:
     if answer != slow:
         raise NotYet(f"rank {slow} slept {DELAY_S * 1000:.0f} ms before each of its {STEPS} "
                      f"all-reduces, but slowest_rank answered {answer!r}. In whose trace are the "
-                     f"gloo:all_reduce events long, and why? (lesson 20, Step 9)")
+                     f"gloo:all_reduce events long, and why? (lesson 20, Step 8)")
     return (f"rank {slow} slept before every all-reduce and slowest_rank found it: the others "
             f"waited for it inside their all-reduces")
