@@ -80,6 +80,7 @@ def claim_out(folder: Path) -> Path:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held[key] = fd
+    os.environ[LOCK_ENV] = key  # the ranks this job starts write here too: held for them
     return folder
 
 

@@ -21,11 +21,20 @@ they can focus on their own idea. One layer up, apparatus/ holds the output and 
 instruments (step mode, metrics files, collective and memory counters); code that serves one
 lesson lives in that lesson's folder, lessons/NN_topic/.
 """
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Importing torch._dynamo (DDP, FSDP2, DTensor and the pipelines import it; start_ranks
+# preloads it) makes $TMPDIR/torchinductor_$USER and leaves it there (torch 2.14.1,
+# torch/_inductor/runtime/cache_dir_utils.py). No lesson compiles anything: keep that folder
+# in runs/, which `make clean` removes, unless you chose one. Every process of a lesson
+# imports common first, and its children inherit the variable.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.access(ROOT, os.W_OK):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(ROOT / "runs" / ".torchinductor")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -2,7 +2,8 @@
 
 * `host_store` / `env_store`: the rendezvous store, listening on one address only (a
   TCPStore master listens on every interface whatever host you give it, torch 2.14.1, so we
-  bind the socket ourselves and hand it over with `master_listen_fd`).
+  bind the socket ourselves and hand it over with `master_listen_fd`); with a loopback
+  store, gloo's own listeners stay on loopback too (`keep_gloo_on_loopback`).
 * `init_from_env`: `dist.init_process_group` with a timeout, from torchrun's RANK/WORLD_SIZE.
 * `spawn`: mp.spawn's job, forked from a fork server; a failing rank's error in one line.
 * `teardown`: gc.collect() before destroy_process_group(); see its docstring.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import datetime
 import errno
 import gc
+import ipaddress
 import os
 import signal
 import socket
@@ -93,6 +95,30 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def keep_gloo_on_loopback(host: str) -> None:
+    """A job whose store is on loopback runs on one machine: keep gloo's own sockets there too.
+
+    Each gloo rank opens a listener of its own, beside the store, on the address this
+    machine's hostname resolves to (torch 2.14.1 ProcessGroupGloo's default device). On
+    cloud VMs and in containers that is a real network address, so a one-machine job would
+    accept connections from the network. GLOO_SOCKET_IFNAME names the interface instead:
+    the loopback one. Set by whoever hosts or joins a loopback store, before the process
+    group exists; a value you set yourself wins.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not is_loopback(host):
+        return
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]  # lo, lo0
+    if names:
+        os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+
+
 def host_store(host: str, port: int, timeout_s: float, world_size: int | None = None):
     """Start a TCPStore server that listens on host:port only; returns (store, port).
 
@@ -100,6 +126,7 @@ def host_store(host: str, port: int, timeout_s: float, world_size: int | None = 
     it when it is deleted. use_libuv=False: the libuv server does not take a socket it did
     not open itself (with libuv it hung, measured on torch 2.14.1).
     """
+    keep_gloo_on_loopback(host)  # and the ranks this process starts afterwards
     sock = listen_socket(host, port)
     port = sock.getsockname()[1]
     store = dist.TCPStore(host, port, world_size, True, datetime.timedelta(seconds=timeout_s),
@@ -121,6 +148,7 @@ def env_store(rank: int, world_size: int, timeout_s: float):
     other ranks connect to it. Pass the result to init_process_group(store=...).
     """
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    keep_gloo_on_loopback(addr)
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0 and not _agent_serves(addr, port):
         store, _ = host_store(addr, port, timeout_s, world_size)

@@ -242,6 +242,22 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
         dist.destroy_process_group()
 
 
+_FORK_SERVER_STOP: list = []  # the atexit handler below, once registered
+
+
+def _stop_fork_server() -> None:
+    """At exit: end the fork server now. It ends by itself when this process's end of its pipe
+    closes, but only once it has finished importing its preloads (torch, the lesson): after a
+    `q` at the first pause, or an early error, that kept it alive for 4-11 s after the job."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # private: no public handle
+    if pid:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
 def _silent_death(procs, results, spoke: set, wait_s: float = 1.0) -> int | None:
     """The first rank that ended with no word (killed, or exited non-zero without reporting),
     looking for up to wait_s: the fork server hands on a rank's exit status a moment late."""
@@ -294,6 +310,8 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
         # DistributedDataParallel.__init__ asks it for its optimize_ddp mode), about 1.5 s
         # of CPU that each rank would otherwise spend on its own.
         ctx.set_forkserver_preload(["torch._dynamo", *(preload or [])])
+        if not _FORK_SERVER_STOP:
+            _FORK_SERVER_STOP.append(atexit.register(_stop_fork_server))
     else:
         ctx = multiprocessing.get_context("spawn")  # as mp.spawn does
     results = ctx.Queue()

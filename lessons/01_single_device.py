@@ -23,12 +23,13 @@ from torch.utils.data import DataLoader
 from common import recipe
 from common.cli import lesson_parser, run
 from common.device import pick_device
-from apparatus.results import make_metrics, out_dir, plain_state_dict, save_results, shown
+from apparatus.results import claim_out, make_metrics, out_dir, plain_state_dict, save_results, shown
 from apparatus.ui import UI, Timer
 
 
 def main() -> None:
     args = lesson_parser(__doc__).parse_args()
+    folder = claim_out(out_dir("01", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     ui.title("Lesson 01: training on one device")
 
@@ -103,7 +104,6 @@ def main() -> None:
     # Weights are copied to the CPU before saving, so the file loads on a machine without
     # a GPU. Every later lesson compares its own final.pt with this one.
     ui.step(6, "Save the results")
-    folder = out_dir("01", args.out)
     samples = args.epochs * len(data.train)
     save_results(folder, plain_state_dict(model), make_metrics(
         lesson="01", world_size=1, backend="none", device=str(device), losses=losses,

@@ -33,7 +33,7 @@ import torch.nn as nn
 from apply_trace import describe, trace_apply
 from common.cli import lesson_parser, run
 from common.device import pick_device
-from apparatus.results import atomic_write, out_dir, shown
+from apparatus.results import claim_out, atomic_write, out_dir, shown
 from apparatus.ui import UI
 
 
@@ -115,6 +115,7 @@ def optimizer_built_before_move(mode: str, convert, steps: int = 5) -> dict:
 
 def main() -> None:
     args = lesson_parser(__doc__, recipe=False).parse_args()
+    folder = claim_out(out_dir("02", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     ui.title("Lesson 02: what .cuda() and .to() do inside a module")
     device = pick_device(args.device)
@@ -245,7 +246,6 @@ def main() -> None:
     assert all(p.is_meta and p is not before["params"][n] for n, p in net.named_parameters())
     assert all(p.grad is not None and p.grad.is_meta for p in net.parameters())
 
-    folder = out_dir("02", args.out)
     record = {"lesson": "02", "conversion": label, "device": str(device),
               "torch": torch.__version__, "events": events, "identity": identity,
               "optimizer_before_move": results,

@@ -30,7 +30,7 @@ from simulated_dp import SimulatedDataParallel, choose_devices, replica_grads, s
 from common import recipe
 from common.cli import lesson_parser, run
 from common.device import pick_device
-from apparatus.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
+from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
 from apparatus.ui import UI, Timer
 
 
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2, help="how many devices share "
                         "each batch (GPUs if there are enough, else simulated CPU devices), 2 to 8")
     args = parser.parse_args()
+    folder = claim_out(out_dir("03", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     ui.title("Lesson 03: nn.DataParallel")
 
@@ -120,7 +121,6 @@ def main() -> None:
     # Weights are copied to the CPU before saving, so the file loads on a machine without
     # a GPU. Every later lesson compares its own final.pt with this one.
     ui.step(6, "Save the results")
-    folder = out_dir("03", args.out)
     diff = None  # the reference on a real data set takes as long as this lesson: skip it
     if data.name == "synthetic":  # each step computed lesson 01's gradient, up to float rounding
         diff = max_abs_diff(plain_state_dict(model), recipe.train_reference(args.seed, args.epochs, data))

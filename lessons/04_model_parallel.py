@@ -26,7 +26,7 @@ from micro_batches import SPLIT, check_split, show_timelines, time_stages, two_d
 from common import recipe
 from common.cli import lesson_parser, run
 from common.device import pick_device
-from apparatus.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
+from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
 from apparatus.ui import UI, Timer
 
 
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--pipeline-batch", type=int, default=4096, help="rows in the batch that times the stages")
     parser.add_argument("--repeats", type=int, default=10, help="times each task is timed (the fastest counts)")
     args = parser.parse_args()
+    folder = claim_out(out_dir("04", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     ui.title("Lesson 04: model parallel")
 
@@ -140,7 +141,6 @@ def main() -> None:
     # Weights are copied to the CPU before saving, so the file loads on a machine without
     # a GPU. Every later lesson compares its own final.pt with this one.
     ui.step(8, "Save the results")
-    folder = out_dir("04", args.out)
     diff = None  # the same operations in the same order: lesson 01's weights (exactly, on the CPU)
     if data.name == "synthetic":
         diff = max_abs_diff(plain_state_dict(model), recipe.train_reference(args.seed, args.epochs, data))

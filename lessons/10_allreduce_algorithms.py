@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from common.cli import lesson_parser, nonnegative_int, positive_int, run
 from common.distributed import choose_port, env_store, spawn, teardown
-from apparatus.results import atomic_write, out_dir, shown
+from apparatus.results import atomic_write, claim_out, out_dir, shown
 from apparatus.ui import UI
 from allreduce import (FLOAT_BYTES, check_args, draw_ring, explain_timeout, show_bytes,
                                  show_checks, show_totals, size_list, timing_table)
@@ -177,6 +177,7 @@ def ring_formula(size: int, n: int) -> float:
 
 def main() -> None:
     args = parse_args()
+    claim_out(out_dir("10", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     ui.title(f"Lesson 10: all-reduce by hand on {args.world_size} processes (gloo)")
 
@@ -190,14 +191,11 @@ def main() -> None:
     os.environ["MASTER_PORT"] = str(choose_port(args.master_port))
     ui.print(f"spawn(worker, nprocs={args.world_size}), rendezvous at "
              f"127.0.0.1:{os.environ['MASTER_PORT']}, timeout {args.timeout:g}s per operation")
-    if args.step:
-        ui.print("[dim]--step: the ranks run without a terminal, so only this step pauses[/dim]")
-        ui.pause()
     spawn(worker, (args.world_size, args), args.world_size)
 
 
 def worker(rank: int, world_size: int, args) -> None:
-    ui = UI(rank, world_size)
+    ui = UI(rank, world_size, step_mode=args.step)  # --step: rank 0 asks, the others wait
     torch.set_num_threads(1)  # N ranks share the cores; one thread each avoids a pile-up
     # env_store: the store env:// would make, but listening on 127.0.0.1 only (lesson 05)
     dist.init_process_group("gloo", store=env_store(rank, world_size, args.timeout), rank=rank,

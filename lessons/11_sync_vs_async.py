@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from common import recipe
 from common.cli import lesson_parser, nonnegative_int, positive_float, run
 from common.distributed import choose_port, env_store, spawn, teardown
-from apparatus.results import out_dir
+from apparatus.results import claim_out, out_dir
 from apparatus.ui import UI
 from sync_async import (check_args, clock, compare, explain_straggler, record,
                                   replica_spread, save, shared_stats, show_bounds, summarise,
@@ -65,6 +65,7 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
+    claim_out(out_dir("11", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     n = args.world_size
     ui.title(f"Lesson 11: synchronous vs asynchronous updates, {n} workers, "
@@ -99,15 +100,13 @@ def main() -> None:
             **shared_stats(n, steps * n, hogwild=True)}  # one update per worker batch
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(choose_port(args.master_port))
-    if args.step:
-        ui.print("[dim]--step: the workers run without a terminal, so only this step pauses[/dim]")
-        ui.pause()
+    ui.pause()  # --step: the workers pause again once their process group exists
     spawn(worker, (n, args, shared, bounds), n)
 
 
 def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
     torch.set_num_threads(1)  # N workers share the cores
-    ui = UI(rank, n)
+    ui = UI(rank, n, step_mode=args.step)
     data = recipe.load_data(args.dataset, args.data_dir, args.download)
     results, states = {}, {}
 
@@ -134,7 +133,6 @@ def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
             states["sync"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         dist.barrier()  # rank 0 has read everything before anyone leaves
         del model
-        teardown()  # the asynchronous part needs no process group: memory is shared
 
     if "async" in shared:
         # Step 3: Train asynchronously (Hogwild)
@@ -142,7 +140,8 @@ def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
         # counter, computes its gradient on the weights as they are *now*, and applies it
         # with its own optimizer: no lock, no waiting. A shared version counter tells each
         # worker how many updates the others made in between: the staleness.
-        ui.step(3, "Train asynchronously (Hogwild)")
+        ui.step(3, "Train asynchronously (Hogwild)")  # (--step waits on the group of Step 2)
+        teardown()  # the asynchronous part needs no process group: memory is shared
         a = shared["async"]
         train_async(rank, n, args, data, ui, a)
         # all updates are in; the slow worker may still be in its last batch, so allow
@@ -154,6 +153,7 @@ def worker(rank: int, n: int, args, shared: dict, bounds: dict) -> None:
             states["async"] = {k: v.detach().clone() for k, v in a["model"].state_dict().items()}
     if rank != 0:
         return
+    ui.world_size = 1  # the other workers have left: rank 0 alone asks from here (--step)
 
     # Step 4: Compare
     # Throughput is what asynchrony buys; staleness is what it costs; the loss and the

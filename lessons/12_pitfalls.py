@@ -64,7 +64,7 @@ import unused_params
 from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, positive_int, run
 from common.distributed import choose_port, spawn, teardown
-from apparatus.results import atomic_write, out_dir, shown
+from apparatus.results import atomic_write, claim_out, out_dir, shown
 from apparatus.ui import UI, Timer
 from kit import collective, first_line, leave
 
@@ -115,6 +115,7 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
+    claim_out(out_dir("12", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     mode = f"--break {args.brk}" if args.brk else "every pitfall, fixed"
     ui.title(f"Lesson 12: pitfalls and hangs ({mode}) on {args.world_size} CPU ranks")
@@ -277,8 +278,8 @@ def leave_group(ui, rank, args, evidence) -> None:
     ui.step(10, "Leave the process group")
     dist.barrier()
     if rank == 0:
-        folder = out_dir("12", args.out)
         text = json.dumps(evidence, indent=2) + "\n"
+        folder = out_dir("12", args.out)
         atomic_write(folder / "metrics.json", lambda f: f.write(text.encode()))
         ui.print(f"wrote the numbers above to {shown(folder / 'metrics.json')}")
     teardown()

@@ -27,7 +27,7 @@ from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_by
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import pick_device
-from apparatus.results import make_metrics, out_dir, plain_state_dict, save_results, shown
+from apparatus.results import claim_out, make_metrics, out_dir, plain_state_dict, save_results, shown
 from apparatus.ui import UI, Timer
 
 
@@ -51,6 +51,7 @@ def forward_checkpointed(model, x):
 
 def main() -> None:
     args = parse_args()
+    folder = claim_out(out_dir("13", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     ui.title("Lesson 13: a transformer on one device, and where its memory goes")
 
@@ -182,7 +183,6 @@ def main() -> None:
     # Step 10: Save the results
     # Every Part 2 lesson compares its final.pt with this one (within 1e-3).
     ui.step(10, "Save the results")
-    folder = out_dir("13", args.out)
     samples = args.steps * T.GLOBAL_BATCH
     save_results(folder, final_state, make_metrics(
         lesson="13", world_size=1, backend="none", device=str(device), losses=losses,
