@@ -100,7 +100,8 @@ def main() -> None:
             **shared_stats(n, steps * n, hogwild=True)}  # one update per worker batch
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(choose_port(args.master_port))
-    ui.pause()  # --step: the workers pause again once their process group exists
+    # --step: pause here; the workers pause again once their process group exists
+    ui.pause(next_step=(2, "Train synchronously") if "sync" in shared else None)
     spawn(worker, (n, args, shared, bounds), n)
 
 

@@ -1,7 +1,13 @@
-"""--step in a real pseudo-terminal: pauses, resumes on Enter, quits on q with every process gone."""
+"""--step in a real pseudo-terminal: pauses, resumes on Enter, quits on q with every process gone.
+
+Every lesson, 01 to the last, as a learner starts it (`make lesson-NN STEP=1`): it pauses after
+its first step (or its second, where the pause needs the process group), Enter shows the next
+step, one `q` ends it within seconds, and nothing of its session is left running.
+"""
 import json
 import os
 import pty
+import signal
 import re
 import select
 import subprocess
@@ -9,16 +15,20 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT, lesson_path
+
+LESSONS = sorted(p.name[:2] for p in (ROOT / "lessons").glob("[0-9][0-9]_*.py"))
 
 
 class Terminal:
     """A lesson running in a pseudo-terminal, as if typed into a shell."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, argv: list[str] | None = None, env: dict | None = None):
         self.master, slave = pty.openpty()
-        env = {**os.environ, "COLUMNS": "120", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=env,
+        env = {**os.environ, "COLUMNS": "120", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(argv or [sys.executable, *map(str, args)], cwd=ROOT, env=env,
                                      stdin=slave, stdout=slave, stderr=slave,
                                      start_new_session=True)
         os.close(slave)
@@ -49,6 +59,54 @@ class Terminal:
             return self.proc.wait(timeout=timeout)
         finally:
             os.close(self.master)
+
+
+def session_processes(sid: int) -> list[str]:
+    """Processes still alive (not zombies) in session `sid`: what a lesson left running."""
+    left = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields[3]: session id
+            left.append(f"{entry} {stat[stat.index('(') + 1:stat.rindex(')')]}")
+    return left
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_every_lesson_pauses_goes_on_and_quits_at_once(lesson, tmp_path):
+    """make lesson-NN STEP=1, as a learner types it: the first pause, Enter, the next step's
+    heading, the next pause, one `q`: the lesson ends within seconds, exit code 0, no process
+    of its session is left (ranks, fork server, simulated nodes), and its $TMPDIR is empty."""
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    tmp.mkdir()
+    t = Terminal(argv=["make", "-s", f"lesson-{lesson}", "STEP=1", f"ARGS=--out {out}"],
+                 env={"TMPDIR": str(tmp)})
+    try:
+        first = t.expect(r"next: Step (\d+): .*?\n", timeout=150)
+        t.expect(r"\[Enter\] next step, \[q\] quit")
+        upcoming = int(first.group(1))
+        time.sleep(1)
+        assert f"Step {upcoming}:" not in t.text, f"lesson {lesson} did not wait for Enter"
+        t.type("\n")
+        t.expect(rf"Step {upcoming}: ", timeout=60)
+        t.expect(r"\[Enter\] next step, \[q\] quit", timeout=150)
+        t.type("q")  # one key, no Enter
+        t.expect(r"Stopped at your request", timeout=10)
+        assert t.exit_code(timeout=10) == 0
+    finally:
+        if t.proc.poll() is None:
+            os.killpg(t.proc.pid, signal.SIGKILL)
+    deadline = time.time() + 5
+    while session_processes(t.proc.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not session_processes(t.proc.pid), f"left running: {session_processes(t.proc.pid)}"
+    assert not (out / "final.pt").exists(), "it saved after the learner quit"
+    assert not list(tmp.iterdir()), f"left in $TMPDIR: {[p.name for p in tmp.iterdir()]}"
 
 
 def test_single_process_pauses_resumes_and_quits(tmp_path):
