@@ -10,8 +10,9 @@ Timing rule, everywhere: synchronise, meet at a barrier, start the clock, run a 
 work, synchronise, stop the clock. A window of a multi-rank benchmark takes as long as its
 slowest rank, so every rank's time goes through an all-reduce with MAX.
 
-DDP's all-reduce calls and bytes are counted by apparatus/comm.py (counted_ddp + CommLog, the
-package's one counter); deferred_hook below is not a counter but a different schedule.
+Every collective is counted by apparatus/comm.py's CommLog, the package's one counter: DDP's
+all-reduce calls and bytes, and the sends and receives of lesson 10's hand-written all-reduces.
+deferred_hook below is not a counter but a different schedule.
 """
 from __future__ import annotations
 
@@ -322,7 +323,7 @@ def bucketing(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
         log = CommLog()
         with log.recording():
             window()
-        counted = log.summary(steps)  # per backward
+        counted = log.summary(steps, kinds=("all_reduce",))  # per backward: DDP's buckets
         times = ctx.timed(window, n, warmup=0)
         rows.append({
             "bucket_cap_mb": cap, "overlap": overlap, "world_size": n,
@@ -372,7 +373,7 @@ def no_sync(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
             log = CommLog()
             with log.recording():  # one more untimed window, counted
                 window()
-            counted = log.summary(steps)  # per optimizer step
+            counted = log.summary(steps, kinds=("all_reduce",))  # per optimizer step
             times = ctx.timed(window, n, warmup=0)
             rows.append({
                 "config": setup["name"], "method": method, "world_size": n, "accum": accum,
@@ -420,17 +421,19 @@ def allreduce(ctx: Ctx, n: int, cfg: dict, lesson) -> list[dict]:
         dist.all_reduce(expected, group=group)
         buf = torch.empty_like(x)
         for name in ("server", "ring", "dist.all_reduce"):
-            wire = None
-
             def call():
-                nonlocal wire
                 buf.copy_(x)  # every algorithm works in place: start from our own numbers
                 if name == "dist.all_reduce":
                     dist.all_reduce(buf, group=group)
-                else:
-                    wire = lesson.Wire(group)  # counts the bytes of this one call
+                else:  # lesson 10's algorithms, on its Wire (dist.isend / dist.irecv)
                     algo = lesson.server_all_reduce if name == "server" else lesson.ring_all_reduce
-                    algo(buf, wire)
+                    algo(buf, lesson.Wire(group))
+
+            # one call counted by apparatus/comm.py: every send and receive with its bytes
+            # (gloo's own all-reduce talks inside C++, where no counter sees its messages)
+            log = CommLog()
+            with log.recording():
+                call()
 
             # warm-up call: also the correctness check, and it sizes the repetition
             dist.barrier(group=ctx.ctl[n])
@@ -460,9 +463,11 @@ def allreduce(ctx: Ctx, n: int, cfg: dict, lesson) -> list[dict]:
             formula = lesson.server_bytes if name == "server" else lesson.ring_bytes
             # gloo's own all-reduce is a ring as well: its formula, not a measurement
             row["formula_busiest_sent"] = max(formula(size, n, r)[0] for r in range(n))
-            if wire is not None:
+            if name != "dist.all_reduce":
+                mine = (int(sum(c.sent_bytes for c in log.calls if c.kind == "send")),
+                        sum(c.data_bytes for c in log.calls if c.kind == "recv"))
                 counts = [None] * n
-                dist.all_gather_object(counts, (wire.sent, wire.received), group=group)
+                dist.all_gather_object(counts, mine, group=group)
                 per_rank = []
                 for r, (sent, received) in enumerate(counts):
                     f_sent, f_received = formula(size, n, r)

@@ -4,8 +4,9 @@
               ranks: sequences/s, bytes each rank sends per step (apparatus/comm.py's CommLog),
               bytes of parameters, gradients and optimizer state it holds (apparatus/sharding.py)
     tp        tensor parallel on 2 ranks, lesson 17's two implementations (by hand, DTensor),
-              with and without sequence parallel: the collectives of one block, counted by
-              lessons/17_tensor_parallel/tensor_parallel.py and then replayed alone to time them, beside the
+              with and without sequence parallel: the collectives of one training step and of
+              one block, counted by apparatus/comm.py's CommLog (DTensor's own and the
+              optimizer step's included) and then replayed alone to time them, beside the
               time of a whole step and of one unsplit process
     pipeline  lesson 18's four schedules on 2 ranks: time per step beside the idle share the
               schedule's own timeline predicts (lessons/18_pipeline_schedules/pipeline.py)
@@ -34,7 +35,6 @@ from common import transformer as T
 from common.cli import ROOT
 
 sys.path[1:1] = [str(ROOT / "lessons" / d) for d in ("17_tensor_parallel", "18_pipeline_schedules")]
-import tensor_parallel as TPA  # noqa: E402  (lesson 17's own helpers)
 from pipeline import Recorder, bubble_formula, idle_fraction, timeline  # noqa: E402  (lesson 18's)
 
 BENCHMARKS = ["fsdp", "tp", "pipeline"]
@@ -127,8 +127,9 @@ def fsdp(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
                 loss.backward()
                 opt.step()
 
+        train(2)  # warm-up: DDP rebuilds its buckets (and broadcasts them) in its second step
         log = CommLog()
-        with log.recording():  # untimed: counting costs a little; it is also the warm-up
+        with log.recording():  # untimed: counting costs a little
             train(cfg["count_steps"])
         comm = log.summary(cfg["count_steps"])
         times = ctx.timed(lambda: train(cfg["steps"]), n)
@@ -170,11 +171,9 @@ def _replay(calls: list[tuple[str, int]], n: int):
 
 
 def tp(ctx: Ctx, n: int, cfg: dict, lesson) -> dict:
-    from torch.distributed._tools.mod_tracker import ModTracker
-
     rows = []
     data = batches(0, 1)  # tensor parallel splits the model, not the data: the whole batch
-    last = T.N_BLOCKS - 1
+    last = f".blocks.{T.N_BLOCKS - 1}"
     for impl, sp in cfg["variants"]:
         split = lesson.parallelize_by_hand if impl == "manual" else lesson.parallelize_dtensor
         model = split(T.make_model(T.SEED), ctx.rank, n, sp)
@@ -190,32 +189,32 @@ def tp(ctx: Ctx, n: int, cfg: dict, lesson) -> dict:
                 dist.all_reduce(p.grad)
             opt.step()
 
-        with ModTracker() as tracker, TPA.CountCollectives(tracker, n) as counter:
-            x, y = data[0]
-            T.loss_fn(model(x), y).backward()
-        opt.zero_grad(set_to_none=True)
-        calls = counter.calls + [("after backward", None, "all_reduce", p.numel() * 4) for p in shared]
-        block = [(k, s) for phase, b, k, s in calls if b == last and phase in ("forward", "backward")]
+        step(0)  # warm-up
+        log = CommLog(modules=True)  # one whole step: forward, backward, the sum, AdamW's step
+        with log.recording():
+            step(1)
+        calls = [(c.kind, c.data_bytes) for c in log.calls]
+        block = [c for c in log.calls if any(m.endswith(last) for m in c.modules)]
         kinds: dict = {}
-        for k, _ in block:
-            kinds[k] = kinds.get(k, 0) + 1
+        for c in block:
+            kinds[c.kind] = kinds.get(c.kind, 0) + 1
         times = ctx.timed(lambda: [step(s) for s in range(cfg["steps"])], n)
         inner = cfg["replay_inner"]
-        block_plan, step_plan = _replay(block, n), _replay([(k, s) for _, _, k, s in calls], n)
+        block_plan, step_plan = _replay([(c.kind, c.data_bytes) for c in block], n), _replay(calls, n)
         block_ms = ctx.timed(lambda: [f() for _ in range(inner) for f in block_plan], n)
         all_ms = ctx.timed(lambda: [f() for _ in range(inner) for f in step_plan], n)
         rows.append({
             "impl": impl, "sequence_parallel": sp, "world_size": n,
             "block_calls": dict(sorted(kinds.items())),
-            "block_data_bytes": sum(s for _, s in block),
-            "block_sent_bytes": sum(TPA.SHARE[k](n) * s for k, s in block),
+            "block_data_bytes": sum(c.data_bytes for c in block),
+            "block_sent_bytes": sum(c.sent_bytes for c in block),
             "step_calls": len(calls),
-            "step_sent_bytes": sum(TPA.SHARE[k](n) * s for _, _, k, s in calls),
+            "step_sent_bytes": sum(c.sent_bytes for c in log.calls),
             "step_ms": summary([t / cfg["steps"] * 1e3 for t in times]),
             "block_comm_ms": summary([t / inner * 1e3 for t in block_ms]),
             "step_comm_ms": summary([t / inner * 1e3 for t in all_ms]),
         })
-        del model, opt, shared
+        del model, opt, shared, log
         gc.collect()
     return {"rows": rows, "plain_step_ms": plain_step_ms(ctx, n, cfg["steps"])}
 
@@ -590,14 +589,15 @@ def sections(b: dict) -> list[str]:
         out += [L("## 7. Tensor parallel: the cost of its collectives", "## 7. 张量并行：集合通信的代价"), "",
                 L("Lesson 17's split of every block on 2 ranks, by hand and with DTensor's "
                   f"[`parallelize_module`]({API}/distributed.tensor.parallel.html), with and "
-                  "without sequence parallel (SP). lessons/17_tensor_parallel/tensor_parallel.py counts every "
-                  "collective of one training step and the block it serves; the collectives of "
+                  "without sequence parallel (SP). apparatus/comm.py's CommLog counts every "
+                  "collective of one training step (DTensor's own and the optimizer step's "
+                  "included) and the block it serves; the collectives of "
                   "one block, and of the whole step, are then replayed alone with "
                   "`torch.distributed` calls of the same kinds and sizes, and timed. Beside them: "
                   "a whole step, and one process training the whole model on the whole batch.",
                   "第 17 课在 2 个秩上切分每个块，分别用手写方式和 DTensor 的 "
                   f"[`parallelize_module`]({API}/distributed.tensor.parallel.html)，并分别开启和不开启序列并行（SP）。"
-                  "lessons/17_tensor_parallel/tensor_parallel.py 统计一个训练步中的每次集合通信及其所属的块；然后用同样种类和"
+                  "apparatus/comm.py 的 CommLog 统计一个训练步中的每次集合通信（包括 DTensor 自己发起的和优化器步骤中的）及其所属的块；然后用同样种类和"
                   "大小的 `torch.distributed` 调用单独重放一个块的、以及整步的集合通信并计时。旁边列出完整一步"
                   "的时间，以及单个进程用整个批次训练整个模型的时间。"), "",
                 md_table(*tp_table(sec)), L(*TEACHES), ""] + tp_lines(sec) + [""]

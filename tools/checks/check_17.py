@@ -4,7 +4,7 @@ The learner's parallel_mlp runs a small MLP (width 8, hidden 16) split over 2 an
 on gloo: each rank holds its rows of fc (column-parallel) and the matching columns of proj
 (row-parallel). Every rank gets the same input; the output, the input's gradient and each
 shard's gradient are compared with one process running the whole MLP, and the collectives of
-one forward and one backward are counted (lessons/17_tensor_parallel/tensor_parallel.py's counter).
+one forward and one backward are counted (apparatus/comm.py's CommLog, the package's one counter).
 """
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ WIDTH, HIDDEN = 8, 16
 def _rank_17(rank: int, world: int, path: str) -> dict:
     import torch
     import torch.nn.functional as F
-    from torch.distributed._tools.mod_tracker import ModTracker
 
-    from tensor_parallel import CountCollectives
+    from apparatus.comm import CommLog
     from check_exercise import load
+
+    class Split(torch.nn.Module):  # the learner's function as a module: its calls are "forward"
+        def forward(self, *args):
+            return module.parallel_mlp(*args)
 
     module = load(Path(path))
     g = torch.Generator().manual_seed(0)  # the same whole MLP and input on every rank
@@ -32,8 +35,9 @@ def _rank_17(rank: int, world: int, path: str) -> dict:
     out.pow(2).sum().backward()
     rows = slice(rank * HIDDEN // world, (rank + 1) * HIDDEN // world)
     mine = [t.clone().requires_grad_() for t in (x, fc_w[rows], fc_b[rows], proj_w[:, rows], proj_b)]
-    with ModTracker() as tracker, CountCollectives(tracker, world) as counter:
-        ours = module.parallel_mlp(*mine)
+    log = CommLog()
+    with log.recording():
+        ours = Split()(*mine)
         ours.pow(2).sum().backward()
     truth = [whole[0].grad, whole[1].grad[rows], whole[2].grad[rows], whole[3].grad[:, rows], whole[4].grad]
     names = ["x", "fc_weight", "fc_bias", "proj_weight", "proj_bias"]
@@ -41,7 +45,7 @@ def _rank_17(rank: int, world: int, path: str) -> dict:
     return {"out": rel(ours.detach(), out.detach()),
             "grads": {n: rel(a.grad, b) if a.grad is not None else float("inf")
                       for n, a, b in zip(names, mine, truth)},
-            "calls": [(phase, kind) for phase, _, kind, _ in counter.calls]}
+            "calls": [(c.phase, c.kind) for c in log.calls]}
 
 
 def check(path: Path) -> str:
