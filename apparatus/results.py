@@ -10,7 +10,6 @@ second job on the same --out stops at once instead of mixing files with the firs
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +20,12 @@ from pathlib import Path
 import torch
 
 from common.cli import ROOT, fail
+
+try:  # POSIX (Linux, macOS)
+    import fcntl
+except ImportError:  # native Windows: the standard library's msvcrt locks a byte instead
+    fcntl = None
+    import msvcrt
 
 LOCK_NAME = ".lock"
 LOCK_ENV = "LESSON_OUT_LOCKED"  # a launcher that holds the lock tells its ranks so
@@ -71,7 +76,7 @@ def claim_out(folder: Path) -> Path:
     except OSError as exc:
         fail(f"--out {folder}: cannot create {path.name} ({exc.strerror}); pass a folder you can write to")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock(fd)
     except OSError:
         owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
@@ -82,6 +87,14 @@ def claim_out(folder: Path) -> Path:
     _held[key] = fd
     os.environ[LOCK_ENV] = key  # the ranks this job starts write here too: held for them
     return folder
+
+
+def _lock(fd: int) -> None:
+    """Take fd's lock now or raise OSError; the kernel releases it when the process ends."""
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    else:
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
 
 
 def _umask() -> int:

@@ -27,7 +27,7 @@ from common import fail
 PARENT_ENV = "LESSON_PARENT_PID"  # set by supervise(): the pid a spawned rank must outlive
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+def set_parent_death_signal(sig: int = getattr(signal, "SIGKILL", 9)) -> None:
     """Linux: the kernel sends `sig` to this process when its parent dies. Nothing elsewhere."""
     if not sys.platform.startswith("linux"):
         return
@@ -65,7 +65,7 @@ def die_with_parent() -> None:
     """Call first thing in a rank: if its parent (the job's process, the fork server it
     started, torchrun's agent) is killed, even with SIGKILL, the kernel kills this rank
     too, so it never trains on alone and writes files after its job has been stopped."""
-    set_parent_death_signal(signal.SIGKILL)
+    set_parent_death_signal()
     leave_fork_server()
     expected = os.environ.get(PARENT_ENV)
     # the job may have ended before prctl took effect: then we are an orphan already
@@ -90,7 +90,9 @@ def _raise_stopped(signum, frame):
 def stop_signals():
     """Inside: SIGTERM and SIGHUP raise Stopped (a KeyboardInterrupt), as Ctrl-C does."""
     old = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):  # no SIGHUP on Windows
+        if sig is None:
+            continue
         try:
             old[sig] = signal.signal(sig, _raise_stopped)
         except (ValueError, OSError):  # not the main thread, or no such signal here
@@ -254,7 +256,7 @@ def _stop_fork_server() -> None:
     pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # private: no public handle
     if pid:
         with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, getattr(signal, "SIGKILL", signal.SIGTERM))
             os.waitpid(pid, 0)
 
 
