@@ -190,16 +190,6 @@ def compare_with_lesson_13(ui, state: dict, seed: int, steps: int, world: int) -
     return diff, gap
 
 
-def check_world_size(parser, args):
-    """--world-size must split the global batch into equal rows per rank (common/transformer.py)."""
-    from common import transformer as T
-
-    if T.GLOBAL_BATCH % args.world_size or args.world_size > 8:
-        parser.error(f"--world-size {args.world_size} must divide the global batch of "
-                     f"{T.GLOBAL_BATCH} and be at most 8: use 1, 2, 3, 4, 6 or 8")
-    return args
-
-
 def mean_over_ranks(values: list[float]) -> list[float]:
     """Each rank's loss is the mean over its rows: the batch's loss is the mean of the ranks'."""
     import torch.distributed as dist
