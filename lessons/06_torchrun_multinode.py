@@ -148,35 +148,13 @@ def main() -> None:
     ui.print(f"the real model is ddp_model.module ({type(ddp_model.module).__name__}); "
              f"DDP's state_dict keys carry a prefix: {keys[:2]} ...")
 
-    # Step 5: See that gradients are averaged
-    # Compute one batch's gradient twice: first *locally* (inside no_sync(), DDP does not
-    # communicate), then normally. DDP's gradient must equal the mean of all ranks' local
-    # gradients, on every rank. No optimizer step is taken: training below is unaffected.
-    ui.step(5, "See that gradients are averaged")
-    x, y = next(iter(loader))
-    x, y = x.to(device), y.to(device)
-    with ddp_model.no_sync():
-        F.cross_entropy(ddp_model(x), y).backward()
-    local = model.head.weight.grad.clone()
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
-    mean_of_locals = torch.stack(gathered).mean(0)
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(ddp_model(x), y).backward()  # the all-reduce happens during this backward
-    synced = model.head.weight.grad
-    gap = (synced - mean_of_locals).abs().max().item()
-    say_each(ui, f"head.weight.grad[0,:3] local {fmt(local[0, :3])}\n"
-                 f"  after DDP {fmt(synced[0, :3])}\n  |DDP - mean of all ranks' local| = {gap:.1e}")
-    torch.testing.assert_close(synced, mean_of_locals)
-    optimizer.zero_grad(set_to_none=True)
-
-    # Step 6: Train
+    # Step 5: Train
     # The loop is lesson 01's, plus sampler.set_epoch(epoch): without it every epoch would
     # replay epoch 0's order. The loss each rank sees is its local batch's; the global
     # batch's loss is their average over ranks. We keep each step's loss on the device and
     # average them every `log_every` steps in one all-reduce: `.item()` makes the CPU wait
     # for the GPU to finish, and once per step that wait would stall the pipeline.
-    ui.step(6, "Train")
+    ui.step(5, "Train")
     losses: list[float] = []
     pending: list[torch.Tensor] = []  # this rank's losses since the last log, not yet synced
     steps = args.epochs * len(loader)
@@ -206,10 +184,10 @@ def main() -> None:
                            timer.rate(len(losses) * recipe.GLOBAL_BATCH))
     wall = timer.seconds
 
-    # Step 7: Save on rank 0, then wait at a barrier
+    # Step 6: Save on rank 0, then wait at a barrier
     # All ranks hold the same weights, so one file is enough: rank 0 writes it. Every rank
     # writing the same path would race. Nobody reads it back: node 1's disk has no such file.
-    ui.step(7, "Save on rank 0, then wait at a barrier")
+    ui.step(6, "Save on rank 0, then wait at a barrier")
     weights = {k: v.detach().cpu().clone() for k, v in ddp_model.module.state_dict().items()}
     if rank == 0:
         # Lesson 01's loop in this process, with as many threads as all ranks had together
@@ -238,19 +216,15 @@ def main() -> None:
                  f"{'faster' if rate > one_rate else 'slower'} in this run")
     dist.barrier()
 
-    # Step 8: Leave the process group
+    # Step 7: Leave the process group
     # Free everything that holds the process group (the DDP model's reducer) and collect
     # garbage *before* destroying the group. On torch 2.14.1 gloo otherwise aborts at exit
     # now and then ("terminate called without an active exception").
-    ui.step(8, "Leave the process group")
+    ui.step(7, "Leave the process group")
     del ddp_model, model, optimizer
     gc.collect()
     dist.destroy_process_group()
     ui.print("done: every rank left the process group cleanly")
-
-
-def fmt(t: torch.Tensor) -> str:
-    return "[" + ", ".join(f"{v:+.4f}" for v in t.tolist()) + "]"
 
 
 if __name__ == "__main__":
