@@ -158,27 +158,6 @@ def main() -> None:
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = recipe.make_optimizer(ddp_model)
 
-    # See that gradients are averaged (lesson 05, Step 5).
-    # Compute one batch's gradient twice: first *locally* (inside no_sync(), DDP does not
-    # communicate), then normally. DDP's gradient must equal the mean of all ranks' local
-    # gradients, on every rank. No optimizer step is taken: training below is unaffected.
-    x, y = next(iter(loader))
-    x, y = x.to(device), y.to(device)
-    with ddp_model.no_sync():
-        F.cross_entropy(ddp_model(x), y).backward()
-    local = model.head.weight.grad.clone()
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
-    mean_of_locals = torch.stack(gathered).mean(0)
-    optimizer.zero_grad(set_to_none=True)
-    F.cross_entropy(ddp_model(x), y).backward()  # the all-reduce happens during this backward
-    synced = model.head.weight.grad
-    gap = (synced - mean_of_locals).abs().max().item()
-    say_each(ui, f"head.weight.grad[0,:3] local {fmt(local[0, :3])}\n"
-                 f"  after DDP {fmt(synced[0, :3])}\n  |DDP - mean of all ranks' local| = {gap:.1e}")
-    torch.testing.assert_close(synced, mean_of_locals)
-    optimizer.zero_grad(set_to_none=True)
-
     # Step 5: Train from the last snapshot, if there is one
     # Everything that decides the next step goes into the snapshot: the weights, the
     # optimizer's state (SGD's momentum), where we are, and the seed (an epoch's order is a
@@ -302,10 +281,6 @@ def main() -> None:
     gc.collect()
     dist.destroy_process_group()
     ui.print("done: every rank left the process group cleanly")
-
-
-def fmt(t: torch.Tensor) -> str:
-    return "[" + ", ".join(f"{v:+.4f}" for v in t.tolist()) + "]"
 
 
 if __name__ == "__main__":
