@@ -119,10 +119,10 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     ui.print(f"Transformer: {T.N_BLOCKS} blocks, width {T.DIM}, {T.N_HEADS} heads, "
              f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}")
 
-    # Step 4: Train from the saved step to --stop-at-step
+    # Step 4: Train from start to end (--resume, --stop-at-step)
     # The same loop as lesson 01, with a new batch every step instead of epochs.
     # A batch depends on its step alone: a resumed run sees the batches the whole run would.
-    ui.step(4, "Train from the saved step to --stop-at-step")
+    ui.step(4, "Train from start to end (--resume, --stop-at-step)")
     losses: list[float] = []
     timer = Timer()
     log_every = max(1, args.steps // 5)

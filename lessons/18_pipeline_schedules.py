@@ -34,8 +34,7 @@ from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
 from common.distributed import choose_port, init_from_env, say_each, spawn, teardown
-from apparatus.results import make_metrics, out_dir, plain_state_dict, save_results, shown
-from apparatus.results import max_abs_diff
+from apparatus.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
 from apparatus.ui import UI, Timer
 
 # The interleaved ones hold 2 stages per rank: rank r runs stages r and r + P
