@@ -1,11 +1,16 @@
 """Lesson 09: checkpoint keys under wrappers, run as a learner would."""
+import os
 import re
+import signal
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
 
 from common import recipe
-from conftest import load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import ROOT, lesson_path, load_run, max_abs_diff, one_error_line, run_lesson
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +99,28 @@ def test_steps_and_weights_only(default_run):
 def test_too_many_ranks_is_one_clear_line():
     line = one_error_line(run_lesson("09", "--world-size", "9", check=False, timeout=60))
     assert line.startswith("error:") and "--world-size 9" in line
+
+
+def test_a_killed_rank_ends_the_job_with_one_line(tmp_path):
+    """spawn() (common/distributed.py) starts the ranks: kill rank 1 with SIGKILL once the
+    world table names its pid, and the job stops rank 0 and ends with one line, saving nothing."""
+    proc = subprocess.Popen([sys.executable, str(lesson_path("09")), "--out", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "120",
+                                                           "PYTHONUNBUFFERED": "1"})
+    watchdog, found = threading.Timer(150, proc.kill), None
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            found = re.match(r"│ 1\s+│ 1\s+│ \S+\s+│ (\d+)", line)  # rank 1's row: its pid
+            if found:
+                os.kill(int(found[1]), signal.SIGKILL)
+                break
+        out, err = proc.communicate()
+    finally:
+        watchdog.cancel()
+    assert found, out
+    assert proc.returncode == 1, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == ["error: rank 1 died (SIGKILL); the other ranks were stopped"], err
+    assert not (tmp_path / "final.pt").exists()
