@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+from common.distributed import LOOPBACK, env_store, free_port
 from common.processes import RankFailed, start_ranks  # noqa: F401  (RankFailed: for callers)
 
 PRELOAD = ["torch", "torch.distributed", "common.recipe"]  # imported once, by the fork server
@@ -30,7 +31,6 @@ def _in_group(rank: int, world: int, port: int, backend: str | None, group_timeo
 
     import torch.distributed as dist
 
-    from common.distributed import LOOPBACK, env_store
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(port)
     if backend is not None:
@@ -52,7 +52,5 @@ def run_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None =
     Raises RankFailed (see common/processes.py); KeyboardInterrupt (also for SIGTERM and
     SIGHUP, as common.processes.Stopped) after stopping every rank.
     """
-    from common.distributed import free_port
-
     return start_ranks(_in_group, world, (free_port(), backend, group_timeout_s, target, args),
                        timeout_s=timeout_s, threads=threads, preload=PRELOAD)

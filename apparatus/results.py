@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from apparatus.state_dicts import unwrap  # lesson 09 explains the wrappers
+from common import recipe
 from common.cli import ROOT, fail
 
 try:  # POSIX (Linux, macOS)
@@ -144,8 +146,6 @@ def atomic_write(path: Path, write) -> None:
 
 def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """CPU copies of the weights without wrapper prefixes (DDP's `module.`, compile's `_orig_mod.`)."""
-    from apparatus.state_dicts import unwrap  # lesson 09 explains the wrappers
-
     model = unwrap(model)
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
@@ -199,8 +199,6 @@ def make_metrics(*, lesson: str, world_size: int, backend: str, device: str,
 def timed_single_process(seed: int, epochs: int, data, device, threads: int):
     """Lesson 01's loop (recipe) in this process with `threads` CPU threads: (weights,
     samples/s). Lesson 05 compares its ranks with it: the same cores, the same work."""
-    from common import recipe
-
     old = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:

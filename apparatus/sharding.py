@@ -17,6 +17,9 @@ import math
 
 import torch
 
+from apparatus.results import max_abs_diff
+from common import transformer as T
+
 KEYS = ("parameters", "gradients", "optimizer_state")
 
 
@@ -152,8 +155,6 @@ def show_shards(ui, model, limit: int = 5) -> None:
 
 def recipe_shapes() -> dict:
     """{name: shape} of the Part 2 transformer's parameters, unsharded."""
-    from common import transformer as T
-
     return {name: tuple(p.shape) for name, p in T.make_model().named_parameters()}
 
 
@@ -179,9 +180,6 @@ def report_bytes(ui, model, optimizer, strategy: str) -> dict:
 def compare_with_lesson_13(ui, state: dict, seed: int, steps: int, world: int) -> tuple[float, float]:
     """max |w - w_13| of a run on `world` ranks, and the floor: one process summing each
     batch in `world` chunks, as the ranks do (common/transformer.py's train_reference)."""
-    from common import transformer as T
-    from apparatus.results import max_abs_diff
-
     reference = T.train_reference(seed, steps)["state"]
     diff = max_abs_diff(state, reference)
     gap = max_abs_diff(T.train_reference(seed, steps, chunks=world)["state"], reference)
