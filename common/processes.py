@@ -201,6 +201,7 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
     os.environ.clear()
     os.environ.update(environ)  # the job's environment now, not the fork server's at its start
     die_with_parent()  # our parent (the fork server, or the job's process) dies: so do we
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignored Ctrl-C
     import gc
     import io
     import traceback
@@ -245,6 +246,25 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
 
 
 _FORK_SERVER_STOP: list = []  # the atexit handler below, once registered
+
+
+def _start_fork_server_deaf_to_ctrl_c() -> None:
+    """Start the fork server, if it is not running, with SIGINT ignored. A Ctrl-C reaches
+    every process of the terminal's group; the server ignores SIGINT itself only once its
+    preloads are imported, so one typed during its first seconds printed a KeyboardInterrupt
+    traceback after our one line. This process stops the ranks itself (supervise); each
+    rank takes Python's usual SIGINT handler back (_rank_main)."""
+    from multiprocessing import forkserver
+
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the new server
+    except ValueError:  # not the main thread: leave it as it is
+        forkserver.ensure_running()
+        return
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _stop_fork_server() -> None:
@@ -314,6 +334,7 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
         ctx.set_forkserver_preload(["torch._dynamo", *(preload or [])])
         if not _FORK_SERVER_STOP:
             _FORK_SERVER_STOP.append(atexit.register(_stop_fork_server))
+        _start_fork_server_deaf_to_ctrl_c()
     else:
         ctx = multiprocessing.get_context("spawn")  # as mp.spawn does
     results = ctx.Queue()

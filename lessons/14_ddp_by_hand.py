@@ -31,7 +31,7 @@ from common import transformer as T
 from common.cli import lesson_parser, positive_float, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
-from apparatus.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
+from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
 from apparatus.ui import UI, Timer
 
 
@@ -90,6 +90,7 @@ class HandDDP(torch.nn.Module):
 
 def main() -> None:
     args = parse_args()
+    claim_out(out_dir("14", args.out))  # checked now, not after training; ours alone
     kind, note = plan_device(args.device, args.world_size)  # one GPU per rank, or the CPU
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
     spawn(worker, (args.world_size, args, kind, note), args.world_size)

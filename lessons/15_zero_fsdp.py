@@ -39,7 +39,7 @@ from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, pick_device, plan_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
-from apparatus.results import make_metrics, out_dir, save_results, shown
+from apparatus.results import claim_out, make_metrics, out_dir, save_results, shown
 from apparatus.ui import UI, Timer
 
 
@@ -88,6 +88,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 def main() -> None:
     args = parse_args()
+    claim_out(out_dir("15", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     ui.title(f"Lesson 15: {args.strategy} on {args.world_size} ranks")
 

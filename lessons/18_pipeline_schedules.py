@@ -34,7 +34,7 @@ from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
 from common.distributed import choose_port, init_from_env, say_each, spawn, teardown
-from apparatus.results import make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
+from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
 from apparatus.ui import UI, Timer
 
 # The interleaved ones hold 2 stages per rank: rank r runs stages r and r + P
@@ -86,6 +86,7 @@ def build_pipeline(name, model, rank, world, microbatches, device):
 
 def main() -> None:
     args = parse_args()
+    claim_out(out_dir("18", args.out))  # checked now, not after training; ours alone
     check_flags(args.world_size, args.microbatches, T.GLOBAL_BATCH)  # one clear line if they do not fit
     kind, note = plan_device(args.device, args.world_size)  # one GPU per rank, or the CPU
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))

@@ -235,6 +235,49 @@ def test_lesson_05_second_job_and_sigint_to_the_parent_alone(tmp_path, cleanup):
     assert not (first / "final.pt").exists() and not (first / "metrics.json").exists()
 
 
+def session_pids(sid: int) -> set[int]:
+    """Live processes (not zombies) of session `sid`: the job and everything under it."""
+    found = set()
+    for pid in all_pids():
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.add(pid)
+    return found
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_signal_while_the_ranks_start_is_one_line_and_leaves_nothing(tmp_path, cleanup, how):
+    """Ctrl-C (SIGINT to the whole terminal group) or SIGTERM (to the launcher alone) while
+    the fork server is still importing torch and the lesson: one line, the usual exit code,
+    no traceback from the server or a rank forked afterwards, and no process left (the fork
+    server used to outlive the job by 4-11 s, and Ctrl-C printed its KeyboardInterrupt)."""
+    job = Job([PY, "lessons/15_zero_fsdp.py", "--out", tmp_path / "o"], tmp_path, "a")
+    cleanup.append(job)
+    deadline = time.monotonic() + 60
+    while not any("forkserver" in cmdline(pid) for pid in session_pids(job.proc.pid)):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.stderr()
+        time.sleep(0.02)
+    time.sleep(0.3 if how == "ctrl-c" else 1.0)
+    if how == "ctrl-c":
+        os.killpg(job.proc.pid, signal.SIGINT)
+    else:
+        os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait(30) == (130 if how == "ctrl-c" else 143)
+    time.sleep(0.5)  # a traceback printed by a straggler would land by now
+    assert "Traceback" not in job.stderr() + job.stdout(), job.stderr()
+    assert one_error_line(subprocess.CompletedProcess([], 1, "", job.stderr())).startswith(
+        "error: interrupted")
+    deadline = time.monotonic() + 3
+    while session_pids(job.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not session_pids(job.proc.pid), [cmdline(p) for p in session_pids(job.proc.pid)]
+    assert not (tmp_path / "o" / "final.pt").exists()
+
+
 def test_lesson_05_parent_killed_with_sigkill_takes_its_ranks(tmp_path, cleanup):
     job = Job([PY, "lessons/05_ddp_spawn.py", "--epochs", "400", "--out", tmp_path / "o"],
               tmp_path, "a")
