@@ -2,19 +2,15 @@
 
 Parent: lesson 13 (lessons/13_transformer_memory.py)
 
-New since lesson 13: N ranks hold one model; each block's heads and MLP units are split
-as in Megatron-LM (column- then row-parallel linears, joined by the conjugates f and g), or
-with DTensor; --sequence-parallel splits the rest along the sequence. We count collectives,
-show the classic sequence-parallel mistake, end with lesson 13's weights, and, on each rank,
-count the memory, because
-that is why anyone shards a model: parameters, gradients and AdamW state beside the formula
-(4 + 4 + 8 bytes per parameter), the activations autograd saves for backward, and two ways to
-shrink those: activation checkpointing per block and bf16 autocast.
+New since lesson 13: N ranks hold one model and read the same batch. Each block's heads and
+MLP units are split as in Megatron-LM, joined by the conjugate functions f and g (--impl manual),
+or by a DTensor plan (--impl dtensor). --sequence-parallel also splits the norms along the
+sequence. Measured: each collective (DTensor's own too), the activations, the classic SP mistake.
 
 Run:
     make lesson-17
     make lesson-17 ARGS="--world-size 4 --impl dtensor --sequence-parallel"
-    .venv/bin/python lessons/17_tensor_parallel.py --world-size 2 --device cpu
+    .venv/bin/python lessons/17_tensor_parallel.py --world-size 2 --sequence-parallel --device cpu
 
 Doc: docs/17_tensor_parallel.md
 """
@@ -27,10 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson
 
 import torch
 from torch.distributed.tensor import Replicate, Shard, init_device_mesh, parallel as tp
-from torch.utils.checkpoint import checkpoint
 
 import tensor_parallel as A
-from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_bytes
+from apparatus.comm import CommLog
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
@@ -47,16 +42,9 @@ def parse_args():
                         help="seed for the initial weights and the batches")
     parser.add_argument("--impl", choices=["manual", "dtensor"], default="manual", help="split the layers by hand (Megatron-LM) or DTensor")
     parser.add_argument("--sequence-parallel", action="store_true", help="also split norms and residuals along the sequence")
-    return parser.parse_args()
-
-
-def forward_checkpointed(model, x):
-    """model(x), except that each block keeps only its input for backward: autograd
-    recomputes the block's forward during backward to get the rest back."""
-    x = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1], device=x.device))
-    for block in model.blocks:
-        x = checkpoint(block, x, use_reentrant=False)
-    return model.head(model.norm(x))
+    args = parser.parse_args()
+    T.check_world_size(args.world_size, "--world-size", divides={f"{T.N_HEADS} attention heads": T.N_HEADS, f"{T.SEQ} tokens": T.SEQ})
+    return args
 
 
 class Comm(torch.autograd.Function):
@@ -71,8 +59,7 @@ class Comm(torch.autograd.Function):
         return ctx.bwd(grad.contiguous()), None, None
 
 
-# (forward, backward): each pair's forward is the other's backward. The collectives are
-# plain torch.distributed calls (lessons/17_tensor_parallel/tensor_parallel.py); sequence ones act on dim 1.
+# (forward, backward): each pair's forward is the other's backward (collectives: tensor_parallel.py)
 PAIRS = {"f": (lambda x: x, A.all_reduce), "g": (A.all_reduce, lambda x: x),  # tensor parallel, and
          "f_sp": (A.all_gather, A.reduce_scatter), "g_sp": (A.reduce_scatter, A.all_gather),  # sequence
          "split": (A.split, A.all_gather), "gather": (A.all_gather, A.split)}  # parallel
@@ -100,10 +87,9 @@ def parallelize_by_hand(model, rank, world, sp):
 
 
 def parallelize_dtensor(model, rank, world, sp):
-    """The same with DTensor: a plan of placements per module (Shard(1): split along the
-    sequence; Replicate(): whole on every rank). DTensor makes the collectives."""
+    """The same as a plan of DTensor placements (Shard(1): split along the sequence; Replicate():
+    whole on every rank; PrepareModuleInput: from one to the other). DTensor makes the collectives."""
     mesh = init_device_mesh(next(model.parameters()).device.type, (world,))
-    # PrepareModuleInput: redistribute a module's input from one placement to another
     layouts = lambda a, b: tp.PrepareModuleInput(input_layouts=a, desired_input_layouts=b, use_local_output=True)  # noqa: E731
     plan = {f"blocks.*.{name}": tp.ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
     plan |= {f"blocks.*.{name}": tp.RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
@@ -117,9 +103,7 @@ def parallelize_dtensor(model, rank, world, sp):
 
 def main() -> None:
     args = parse_args()
-    A.check_world_size(args.world_size)  # it must divide the heads and the sequence
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
-    # plan_device: (kind, note): one GPU per rank, or the CPU and a note saying why
     spawn(worker, (args.world_size, args, *plan_device(args.device, args.world_size)), args.world_size)
 
 
@@ -127,10 +111,10 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui = UI(rank, world, step_mode=args.step)
     ui.title(f"Lesson 17: tensor parallel, {A.variant(args)}, on {world} processes" + (f" ({note})" if note else ""))
 
-    # Step 1: Choose the device
+    # Step 1: Choose this rank's device and join the process group
     # One thread on the CPU: bitwise reproducible (the reference is computed the same way),
     # and in the next lessons several ranks share the cores anyway.
-    ui.step(1, "Choose the device")
+    ui.step(1, "Choose this rank's device and join the process group")
     device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -153,25 +137,24 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui.print(f"loss of uniform guessing: ln {T.VOCAB} = {torch.tensor(T.VOCAB).log():.4f}; "
              f"the floor (best possible): {floor:.4f} nats/token")
 
-    # Step 3: Build the model and move it to the device
-    # Every rank builds the whole model (same seed, same weights), then keeps its share.
-    ui.step(3, "Build the model and move it to the device")
+    # Step 3: Split each block across the ranks
+    ui.step(3, "Split each block across the ranks")
     model = T.make_model(args.seed).to(device)
     split_model = parallelize_by_hand if args.impl == "manual" else parallelize_dtensor
-    model = split_model(model, rank, world, args.sequence_parallel)
+    model = split_model(model, rank, world, args.sequence_parallel)  # all of it built (same seed): keep our share
     optimizer = T.make_optimizer(model)
     n_params = sum(p.numel() for p in T.make_model(args.seed).parameters())  # the whole model
     ui.print(f"Transformer: {T.N_BLOCKS} blocks, width {T.DIM}, {T.N_HEADS} heads, "
              f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}")
 
-    # Step 4: Train
+    # Step 4: Train the split model, recording every collective
     # The same loop as lesson 01, with a new batch every step instead of epochs.
-    # Every rank reads the whole batch: tensor parallel splits the model, not the data.
-    ui.step(4, "Train")
+    # Every rank reads the whole batch. CommLog (apparatus/comm.py) records every collective.
+    ui.step(4, "Train the split model, recording every collective")
     losses: list[float] = []
     timer = Timer()
     log_every = max(1, args.steps // 5)
-    with ui.progress(args.steps, "training") as bar:
+    with ui.progress(args.steps, "training") as bar, CommLog(modules=True).recording() as log:
         for step in range(args.steps):
             x, y = T.batch(step, args.seed)
             x, y = x.to(device), y.to(device)
@@ -179,7 +162,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             for p in filter(lambda p: getattr(p, "sequence_parallel", False), model.parameters()):
-                torch.distributed.all_reduce(p.grad)  # by hand, our tokens' share: sum it (Step 11)
+                torch.distributed.all_reduce(p.grad)  # by hand, our tokens' share: sum it (Step 8)
             optimizer.step()
             losses.append(loss.item())
             bar.advance()
@@ -204,81 +187,23 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
 
-    # Step 6: Count parameters, gradients and optimizer state
-    # Read off the tensors themselves, beside the formula. AdamW keeps two numbers per
-    # parameter (exp_avg, exp_avg_sq): the optimizer state is twice the model.
-    ui.step(6, "Count parameters, gradients and optimizer state")
-    held = state_bytes(model, optimizer)
-    fp32, mixed = formula_bytes(n_params), formula_bytes(n_params, mixed=True)
-    ui.table(f"Bytes held for {n_params:,} parameters", ["", "measured", "fp32 formula",
-             "per parameter", "mixed precision (ZeRO paper)"],
-             [[k, f"{held[k]:,}", f"{fp32[k]:,}", held[k] // n_params, f"{mixed[k]:,}"]
-              for k in held] + [["total", f"{sum(held.values()):,}", f"{sum(fp32.values()):,}",
-                                 sum(held.values()) // n_params, f"{sum(mixed.values()):,}"]])
+    # Step 6: Count the collectives of one training step
+    ui.step(6, "Count the collectives of one training step")
+    counts = A.report(log, args.steps, model, ui)  # forward, backward, after it (by hand), AdamW's step
 
-    # Step 7: Measure the activations
-    # Autograd keeps some tensors of the forward pass until backward needs them. The
-    # saved_tensors_hooks in apparatus/memory.py see each one as it is saved.
-    ui.step(7, "Measure the activations")
-    with SavedTensors(model) as plain:
-        loss_plain = T.loss_fn(model(x), y)
-    ui.print(f"one batch of {x.numel():,} tokens saves {mib(plain.bytes)} of activations "
-             f"({plain.bytes / held['parameters']:.1f}x the parameters)")
+    # Step 7: Measure what sequence parallel saves
+    ui.step(7, "Measure what sequence parallel saves")
+    saved = A.saved_activations(split_model, args.impl, rank, world, args, device, ui)  # for backward
 
-    # Step 8: Activation checkpointing
-    # Keep only each block's input; recompute the rest in backward. Same numbers, less
-    # memory, one extra forward of every block per step.
-    ui.step(8, "Activation checkpointing")
-    with SavedTensors(model) as ckpt:
-        loss_ckpt = T.loss_fn(forward_checkpointed(model, x), y)
-    ui.print(f"saved for backward: {mib(plain.bytes)} plain -> {mib(ckpt.bytes)} checkpointed; "
-             f"loss {loss_plain.item():.6f} vs {loss_ckpt.item():.6f}")
-    retrain = T.make_model(args.seed).to(device)  # a fresh run: do the losses stay the same?
-    retrain_opt = T.make_optimizer(retrain)
-    k = min(10, args.steps)
-    ckpt_losses = []
-    for step in range(k):
-        xb, yb = (t.to(device) for t in T.batch(step, args.seed))
-        loss = T.loss_fn(forward_checkpointed(retrain, xb), yb)
-        retrain_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        retrain_opt.step()
-        ckpt_losses.append(loss.item())
-    ui.print(f"first {k} training losses identical with and without checkpointing: "
-             f"{ckpt_losses == T.train_reference(args.seed, args.steps)['losses'][:k].tolist()}")
-    t_plain = seconds(lambda: T.loss_fn(model(x), y).backward())
-    t_ckpt = seconds(lambda: T.loss_fn(forward_checkpointed(model, x), y).backward())
-    ui.print(f"forward + backward: {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
-             f"checkpointed ({t_ckpt / t_plain - 1:+.0%}: the recomputed forward)")
-
-    # Step 9: bf16 autocast
-    # Matmuls run in bfloat16 (2 bytes) while LayerNorm and the loss stay in float32.
-    ui.step(9, "bf16 autocast")
-    with SavedTensors(model) as bf16, torch.autocast(device.type, dtype=torch.bfloat16):
-        loss_bf16 = T.loss_fn(model(x), y)
-    ui.print(f"activations: {mib(plain.bytes)} fp32 -> {mib(bf16.bytes)} under bf16 autocast "
-             f"(+ {mib(bf16.weight_copy_bytes)} of bf16 weight copies autocast saved too)")
-    ui.print(f"loss: {loss_plain.item():.6f} fp32, {loss_bf16.item():.6f} bf16 "
-             f"(difference {abs(loss_bf16.item() - loss_plain.item()):.1e})")
-
-    # Step 10: Count the collectives
-    # One training step of a fresh split model, each collective recorded with the block that
-    # called it, forward or backward, and its bytes (lessons/17_tensor_parallel/tensor_parallel.py).
-    ui.step(10, "Count the collectives")
-    counts = A.count_step(split_model, rank, world, args, device, ui)
-
-    # Step 11: The sequence-parallel mistake
-    # With the sequence split, each rank's LayerNorm gradient comes from its own tokens only:
-    # forget to sum it over the ranks, and every rank steps with a part of the gradient.
-    ui.step(11, "The sequence-parallel mistake")
+    # Step 8: The sequence-parallel mistake
+    ui.step(8, "The sequence-parallel mistake")  # a LayerNorm gradient from our tokens only (Step 4)
     mistake = A.sequence_parallel_mistake(parallelize_by_hand, rank, world, args, device, ui)
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
         return  # rank 0 compares and saves: the weights it gathered are everyone's
 
-    # Step 12: Save the results
-    # Every Part 2 lesson compares its final.pt with this one (within 1e-3).
-    ui.step(12, "Save the results")
+    # Step 9: Compare with lesson 13, save the results
+    ui.step(9, "Compare with lesson 13, save the results")
     diff, chunk_floor = A.compare_with_13(final_state, args.seed, args.steps, world, ui)  # max |w - w_13|
     folder = out_dir("17", args.out)
     samples = args.steps * T.GLOBAL_BATCH
@@ -286,11 +211,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         lesson="17", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, memory_bytes={**held, "activations": plain.bytes},
-        activations_checkpointed_bytes=ckpt.bytes, activations_bf16_bytes=bf16.bytes,
-        checkpointed_losses=ckpt_losses, loss_bf16=loss_bf16.item(),
-        seconds_forward_backward={"plain": t_plain, "checkpointed": t_ckpt}, impl=args.impl,
-        sequence_parallel=args.sequence_parallel, **A.metrics(counts, mistake, diff, chunk_floor)))
+        loss_floor=floor, impl=args.impl, sequence_parallel=args.sequence_parallel,
+        **A.metrics(counts, saved, mistake, diff, chunk_floor)))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
 

@@ -1,5 +1,5 @@
 """Lesson 17's companion: the plain collectives it passes through its autograd functions, and
-the instruments that count what tensor and sequence parallel cost and prove.
+the instruments that show what tensor and sequence parallel cost and prove.
 
 The collectives (plain torch.distributed calls; autograd never sees inside them):
 
@@ -9,43 +9,31 @@ The collectives (plain torch.distributed calls; autograd never sees inside them)
     split(x)            this rank's (B, T/N, D) slice of a (B, T, D) tensor: no communication
 
 all_gather and reduce_scatter work on dim 1, the sequence; torch's all_gather_single and
-reduce_scatter_single join and cut along dim 0, so we move the sequence there and back.
+reduce_scatter_single join and cut along dim 0, so we move the sequence there and back, and
+return contiguous tensors: given a strided view, q, k and v each saved a contiguous copy of it
+for backward (measured on 2 ranks: 8.94 MiB saved per rank instead of 7.44).
 
 The instruments:
 
-    count_step(split_model, rank, world, args, device, ui)   one training step, counted
-    sequence_parallel_mistake(parallelize_by_hand, ...)       LayerNorm gradients, unsummed
-    full_state_dict(model)      the whole weights under lesson 13's names, gathered from shards
-    split_param_bytes(model)    (bytes this rank holds, bytes of the whole) of the split tensors
-    compare_with_13(state, ...) max |w - w_13| beside the floor, printed
-
-How count_step sees the collectives: a TorchDispatchMode sees every op that reaches the
-dispatcher, so it sees both kinds the lesson makes: `dist.all_reduce(...)` and friends (the
-ops c10d.allreduce_, c10d._allgather_base_, c10d._reduce_scatter_base_), which the by-hand
-implementation calls, and the functional collectives DTensor issues
-(_c10d_functional.all_reduce, all_gather_into_tensor, reduce_scatter_tensor), which
-apparatus/comm.py's CommLog cannot see. torch's own CommDebugMode
-(torch.distributed.tensor.debug) counts the same ops but records no bytes.
-torch.distributed._tools.mod_tracker.ModTracker says which module is running, in forward and
-in backward, so each collective is put in the block that called it.
-
-Bytes: S, the data of a collective (all-reduce: the tensor; all-gather: the gathered output;
-reduce-scatter: the input before scattering), and what this rank sends by the ring formulas
-of apparatus/comm.py (all-reduce 2(N-1)/N * S, all-gather and reduce-scatter (N-1)/N * S).
+    report(log, steps, model, ui)   the collectives Step 4 recorded, per training step: by phase
+                                    (forward, backward, between backward and step, the optimizer
+                                    step) and in one block (apparatus/comm.py counted them);
+                                    the bytes of the split weights on this rank
+    saved_activations(...)          what one rank saves for backward: one process, tensor
+                                    parallel, and tensor + sequence parallel
+    sequence_parallel_mistake(...)  LayerNorm gradients, unsummed
+    full_state_dict(model)          the whole weights under lesson 13's names, gathered from shards
+    show_split(model, ui)           (bytes this rank holds, bytes of the whole) of the split tensors
+    compare_with_13(state, ...)     max |w - w_13| beside the floor, printed
 """
 from __future__ import annotations
 
-import re
-from collections import defaultdict
-
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.mod_tracker import ModTracker
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from apparatus.comm import RING
+from apparatus.comm import SHARE
+from apparatus.memory import SavedTensors, mib
 from common import transformer as T
-from common.cli import fail
 
 
 # --- the collectives ---------------------------------------------------------------------
@@ -60,14 +48,14 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     x = x.transpose(0, 1).contiguous()  # (T/N, B, D): the sequence first
     out = x.new_empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]))
     dist.all_gather_single(out, x)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).contiguous()
 
 
 def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     x = x.transpose(0, 1).contiguous()  # (T, B, D)
     out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
     dist.reduce_scatter_single(out, x)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).contiguous()
 
 
 def split(x: torch.Tensor) -> torch.Tensor:
@@ -75,13 +63,6 @@ def split(x: torch.Tensor) -> torch.Tensor:
 
 
 # --- small helpers the lesson calls ---------------------------------------------------------
-
-def check_world_size(world: int) -> None:
-    """Each rank takes N_HEADS / world heads and SEQ / world tokens: world must divide both."""
-    if T.N_HEADS % world or T.SEQ % world:
-        fail(f"--world-size {world} does not divide the {T.N_HEADS} attention heads and the "
-             f"{T.SEQ} tokens of a sequence: use 1, 2 or 4")
-
 
 def variant(args) -> str:
     sp = " + sequence parallel" if args.sequence_parallel else ""
@@ -138,6 +119,15 @@ def split_param_bytes(model) -> tuple[int, int]:
     return local, full
 
 
+def show_split(model, ui) -> tuple[int, int]:
+    """split_param_bytes, printed."""
+    local, full = split_param_bytes(model)
+    ui.print(f"the split weights: {local:,} bytes on this rank of {full:,} (1/{full // local}); "
+             f"embeddings, norms, head and row-parallel biases are whole on every rank" if local else
+             "one rank: nothing is split, every weight is whole (the collectives still run, on one rank)")
+    return local, full
+
+
 def compare_with_13(state, seed: int, steps: int, world: int, ui) -> tuple[float, float]:
     """max |w - w_13| and the floor (lesson 13 summing its batch in `world` chunks), printed."""
     from apparatus.results import max_abs_diff
@@ -147,92 +137,63 @@ def compare_with_13(state, seed: int, steps: int, world: int, ui) -> tuple[float
     return diff, floor
 
 
-def metrics(counts: dict, mistake: dict, diff: float, floor: float) -> dict:
+def metrics(counts: dict, saved: dict, mistake: dict, diff: float, floor: float) -> dict:
     return {"collectives_per_step": counts["per_step"], "collectives": counts,
-            "sequence_parallel_mistake": mistake, "max_abs_diff_floor": floor,
-            "max_abs_diff_vs_single_device": diff}
+            "activations_bytes": saved, "sequence_parallel_mistake": mistake,
+            "max_abs_diff_floor": floor, "max_abs_diff_vs_single_device": diff}
 
 
 # --- counting ------------------------------------------------------------------------------
 
-# dispatcher op name -> (kind, how to read S from the op's arguments)
-OPS = {
-    "c10d.allreduce_": ("all_reduce", lambda a: a[0][0]),
-    "c10d._allgather_base_": ("all_gather", lambda a: a[0]),
-    "c10d._reduce_scatter_base_": ("reduce_scatter", lambda a: a[1]),
-    "_c10d_functional.all_reduce": ("all_reduce", lambda a: a[0]),
-    "_c10d_functional.all_gather_into_tensor": ("all_gather", lambda a: a[0]),
-    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", lambda a: a[0]),
-}
-SHARE = {"all_reduce": RING["all_reduce"][1], "all_gather": RING["all_gather_into_tensor"][1],
-         "reduce_scatter": RING["reduce_scatter_tensor"][1]}
-BLOCK = re.compile(r"\.blocks\.(\d+)$")
+PHASES = {"forward": "forward", "backward": "backward", "between": "after backward",
+          "optimizer": "optimizer step"}  # CommLog's phase -> the row's name
 
 
-class CountCollectives(TorchDispatchMode):
-    """Inside: every collective, as (phase, block index or None, kind, data bytes S)."""
+def report(log, steps: int, model, ui) -> dict:
+    """The collectives a CommLog(modules=True) recorded over `steps` training steps, per step:
+    by phase (a table), and those the last block's modules issued (the first block also holds
+    the way into the sequence split), printed; then show_split(model). Returns the numbers for
+    metrics.json."""
+    last = f".blocks.{T.N_BLOCKS - 1}"
+    block = [c for c in log.calls if any(m.endswith(last) for m in c.modules)]
+    phases, in_block = log.tally(lambda c: c.phase, steps), log.tally(lambda c: c.phase, steps, block)
+    step = log.tally(lambda c: "step", steps).get("step", {"data_bytes": 0, "sent_bytes": 0.0})
+    kinds = lambda d: {k: v for k, v in d.items() if k in SHARE}  # noqa: E731  {"all_reduce": 2, ...}
+    seen = [k for k in SHARE if k in step] or ["all_reduce"]
+    rows = [[name, *(f"{phases.get(p, {}).get(k, 0):g}" for k in seen),
+             f"{phases.get(p, {}).get('sent_bytes', 0):,.0f}"] for p, name in PHASES.items()]
+    rows.append(["the whole step", *(f"{step.get(k, 0):g}" for k in seen), f"{step['sent_bytes']:,.0f}"])
+    ui.table(f"Collectives per training step on this rank ({steps} steps recorded)",
+             ["phase", *seen, "bytes sent"], rows)
+    ui.print(f"of these, blocks.{T.N_BLOCKS - 1} alone: " + "; ".join(
+        f"{p}: " + (", ".join(f"{n:g} {k}" for k, n in kinds(in_block.get(p, {})).items()) or "none")
+        + f", {in_block.get(p, {}).get('sent_bytes', 0):,.0f} bytes sent" for p in ("forward", "backward")))
+    return {"per_step": kinds(step), "sent_bytes_per_step": step["sent_bytes"],
+            "data_bytes_per_step": step["data_bytes"],
+            "per_step_by_phase": {p: kinds(phases.get(p, {})) for p in PHASES},
+            "sent_bytes_by_phase": {p: phases.get(p, {}).get("sent_bytes", 0.0) for p in PHASES},
+            "per_block": {p: kinds(in_block.get(p, {})) for p in ("forward", "backward")},
+            "data_bytes_per_block": {p: in_block.get(p, {}).get("data_bytes", 0) for p in ("forward", "backward")},
+            "sent_bytes_per_block": {p: in_block.get(p, {}).get("sent_bytes", 0.0) for p in ("forward", "backward")},
+            "split_param_bytes": show_split(model, ui)}
 
-    def __init__(self, tracker: ModTracker, group_size: int, phase: str | None = None):
-        super().__init__()
-        self.tracker, self.n, self.phase, self.calls = tracker, group_size, phase, []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = str(func._overloadpacket)
-        if name in OPS:
-            kind, data = OPS[name]
-            t = data(args)
-            size = t.numel() * t.element_size()
-            if kind == "all_gather" and name.startswith("_c10d"):
-                size *= self.n  # the functional op is given the input; S is the output
-            blocks = [int(m[1]) for p in self.tracker.parents if (m := BLOCK.search(p))]
-            phase = self.phase or ("backward" if self.tracker.is_bw else "forward")
-            self.calls.append((phase, max(blocks) if blocks else None, kind, size))
-        return out
-
-
-def count_step(split_model, rank: int, world: int, args, device, ui) -> dict:
-    """One training step (forward, backward, the by-hand sequence-parallel gradient sum) of a
-    fresh model split by `split_model`, on batch 0, every collective recorded. Prints and
-    returns, per block (the last block: the first one also holds the way into the sequence
-    split) and per phase, the calls by kind and the bytes; per step, all calls by kind."""
-    model = split_model(T.make_model(args.seed).to(device), rank, world, args.sequence_parallel)
+def saved_activations(split_model, impl: str, rank: int, world: int, args, device, ui) -> dict:
+    """Bytes autograd saves for backward on this rank, for one forward of batch 0: lesson 13's
+    whole model in one process, then split by `split_model` without and with sequence parallel."""
     x, y = (t.to(device) for t in T.batch(0, args.seed))
-    with ModTracker() as tracker, CountCollectives(tracker, world) as counter:
-        T.loss_fn(model(x), y).backward()
-    with ModTracker() as tracker, CountCollectives(tracker, world, "after backward") as later:
-        _sync_sequence_parallel(model)
-    calls = counter.calls + later.calls
-    last = len(model.blocks) - 1
-    out: dict = {"per_block": {}, "data_bytes_per_block": {}, "sent_bytes_per_block": {}}
-    for phase in ("forward", "backward"):
-        mine = [(k, s) for p, b, k, s in calls if p == phase and b == last]
-        out["per_block"][phase] = dict(sorted(_count(k for k, _ in mine).items()))
-        out["data_bytes_per_block"][phase] = sum(s for _, s in mine)
-        out["sent_bytes_per_block"][phase] = sum(SHARE[k](world) * s for k, s in mine)
-    out["per_step"] = dict(sorted(_count(k for _, _, k, _ in calls).items()))
-    out["per_step_by_phase"] = {p: dict(_count(k for q, _, k, _ in calls if q == p))
-                                for p in ("forward", "backward", "after backward")}
-    out["split_param_bytes"] = split_param_bytes(model)
-    for phase in ("forward", "backward"):
-        kinds = ", ".join(f"{n} {k}" for k, n in out["per_block"][phase].items()) or "none"
-        ui.print(f"per block, {phase:<8}: {kinds}; {out['data_bytes_per_block'][phase]:,} bytes "
-                 f"of data, {out['sent_bytes_per_block'][phase]:,.0f} sent by this rank")
-    ui.print("per step, all blocks and the rest: " + "; ".join(
-        f"{p}: " + (", ".join(f"{n} {k}" for k, n in sorted(v.items())) or "none")
-        for p, v in out["per_step_by_phase"].items()))
-    local, full = out["split_param_bytes"]
-    ui.print(f"the split weights: {local:,} bytes on this rank of {full:,} (1/{full // local}); "
-             f"embeddings, norms, head and row-parallel biases are whole on every rank" if local else
-             "one rank: nothing is split, every weight is whole (the collectives still run, on one rank)")
-    return out
-
-
-def _count(kinds) -> dict:
-    total: dict = defaultdict(int)
-    for kind in kinds:
-        total[kind] += 1
-    return total
+    saved = {}
+    for name, sp in (("one_process", None), ("tensor_parallel", False), ("sequence_parallel", True)):
+        model = T.make_model(args.seed).to(device)
+        model = model if sp is None else split_model(model, rank, world, sp)
+        with SavedTensors(model) as s:
+            T.loss_fn(model(x), y)
+        saved[name] = s.bytes
+    one, tp, sp = saved.values()
+    ui.print(f"saved for backward on this rank, one batch: {mib(one)} in one process (lesson 13); "
+             f"{mib(tp)} with tensor parallel ({impl}, {tp / one:.0%}); {mib(sp)} with sequence "
+             f"parallel too ({sp / one:.0%})")
+    return saved
 
 
 def sequence_parallel_mistake(parallelize_by_hand, rank: int, world: int, args, device, ui) -> dict:
