@@ -19,8 +19,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+try:  # make check-15 has put the repository on sys.path, wherever this file is
+    from common import ROOT
+except ImportError:  # this file run on its own, from exercises/
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from common import ROOT
 _spec = importlib.util.spec_from_file_location("lesson_15", next((ROOT / "lessons").glob("15_*.py")))
 lesson_15 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lesson_15)  # its main() does not run: only the classes are defined
