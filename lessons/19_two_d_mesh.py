@@ -2,18 +2,12 @@
 
 Parent: lesson 15 (lessons/15_zero_fsdp.py)
 
-New since lesson 15: the ranks form a 2-D DeviceMesh ("dp", "tp"), D x T. Each block is
-split across tp (lesson 17), then fully_shard shards what each rank holds across dp. The
-batch is split across dp only. Measured: who talks to whom, the bytes each dimension sends
-beside the planner's formulas (lessons/19_two_d_mesh/planner.py: --plan 7e9 prints a real job's table).
-
-Kept from lesson 13 (its steps, now on every rank): the Part 2 recipe, a small decoder-only
-transformer trained with AdamW on token sequences from a Markov chain whose best possible
-loss is known (common/transformer.py). This run is the baseline: lessons 14-20 train the
-same model in parallel and must end with these weights. Then we count the memory, because
-that is why anyone shards a model: parameters, gradients and AdamW state beside the formula
-(4 + 4 + 8 bytes per parameter), the activations autograd saves for backward, and two ways to
-shrink those: activation checkpointing per block and bf16 autocast.
+New since lesson 15: the ranks form a 2-D DeviceMesh ("dp", "tp"), D x T of them. Each block
+is split across tp (lesson 17's plan), then fully_shard shards what each rank holds across
+dp; the batch is split across dp only. Measured on every rank: who talks to whom, the bytes
+it holds, and the bytes each mesh dimension sends per step, beside the planner's formulas
+(lessons/19_two_d_mesh/planner.py), and lesson 13's weights within 1e-3. --plan runs the same
+formulas for a real job (a 7B model on 8 or 64 GPUs) and starts no process.
 
 Run:
     make lesson-19
@@ -35,9 +29,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, parallel as tp
-from torch.utils.checkpoint import checkpoint
 
-from apparatus.memory import SavedTensors, formula_bytes, mib, seconds
+from apparatus.comm import CommLog
 from apparatus import sharding
 import planner
 from common import transformer as T
@@ -49,7 +42,7 @@ from apparatus.ui import UI, Timer
 
 
 def parse_args():
-    parser = lesson_parser(__doc__, recipe=False, distributed=True)
+    parser = lesson_parser(__doc__, recipe=False, distributed=True)  # the job's size: --dp x --tp
     parser.add_argument("--steps", type=positive_int, default=T.STEPS,
                         help="optimizer steps (one global batch each)")
     parser.add_argument("--seed", type=seed_number, default=T.SEED,
@@ -57,16 +50,12 @@ def parse_args():
     parser.add_argument("--dp", type=positive_int, default=2, help="ranks across the data (FSDP2)")
     parser.add_argument("--tp", type=positive_int, default=2, help="ranks across each block (tensor parallel)")
     planner.add_plan_flags(parser)  # --plan 7e9 --gpus 8 --gpu-gb 80 ...
-    return planner.check_flags(parser.parse_args())
-
-
-def forward_checkpointed(model, x):
-    """model(x), except that each block keeps only its input for backward: autograd
-    recomputes the block's forward during backward to get the rest back."""
-    x = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1], device=x.device))
-    for block in model.blocks:
-        x = checkpoint(block, x, use_reentrant=False)
-    return model.head(model.norm(x))
+    args = parser.parse_args()
+    if args.plan is None:  # before any rank starts: Part 2's one rule, for each dimension
+        T.check_world_size(args.dp, "--dp")  # dp splits the batch's rows
+        T.check_world_size(args.tp, f"--tp (with --dp {args.dp})", most=8 // args.dp,  # dp x tp ranks
+                           divides={f"{T.N_HEADS} attention heads": T.N_HEADS})
+    return planner.check_flags(args)  # --plan's numbers; world_size = dp x tp
 
 
 def main() -> None:
@@ -76,10 +65,8 @@ def main() -> None:
         return planner.show_plan(ui, args)
     ui.title(f"Lesson 19: a {args.dp} x {args.tp} mesh (dp x tp) on {args.world_size} ranks")
 
-    # Step 1: Choose the device
-    # One thread on the CPU: bitwise reproducible (the reference is computed the same way),
-    # and in the next lessons several ranks share the cores anyway.
-    ui.step(1, "Choose the device")
+    # Step 1: Start dp x tp ranks, one device each
+    ui.step(1, "Start dp x tp ranks, one device each")
     kind, note = plan_device(args.device, args.world_size)  # as lesson 05: a GPU per rank, or CPUs
     ui.print(planner.device_note(note) or f"{args.world_size} ranks, one GPU each")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)),
@@ -110,9 +97,10 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     ui.print(f"loss of uniform guessing: ln {T.VOCAB} = {torch.tensor(T.VOCAB).log():.4f}; "
              f"the floor (best possible): {floor:.4f} nats/token")
 
-    # Step 3: Build the model and move it to the device
-    # Split each block across tp (lesson 17), then shard what each rank holds across dp.
-    ui.step(3, "Build the model and move it to the device")
+    # Step 3: Build the mesh, split each block across tp, shard across dp
+    # Rows of the mesh are tp groups, columns dp groups. First tensor parallel on mesh["tp"]
+    # (lesson 17's plan), then FSDP2 on mesh["dp"] (lesson 15), which shards the tp shards.
+    ui.step(3, "Build the mesh, split each block across tp, shard across dp")
     model = T.make_model(args.seed).to(device)
     mesh = dist.init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
     planner.show_mesh(ui, mesh)
@@ -124,25 +112,26 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     for module in (*model.blocks, model):
         fully_shard(module, mesh=mesh["dp"])  # ZeRO-3 across dp: each block, then the root
     sharding.show_shards(ui, model)
-    train_model = model  # what the batches go through (lesson 15's DDP wrapped it)
     optimizer = T.make_optimizer(model)
     n_params = sum(p.numel() for p in model.parameters())
     ui.print(f"Transformer: {T.N_BLOCKS} blocks, width {T.DIM}, {T.N_HEADS} heads, "
              f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}")
 
-    # Step 4: Train
+    # Step 4: Train on this dp group's rows, recording every collective
     # The same loop as lesson 01, with a new batch every step instead of epochs.
-    ui.step(4, "Train")
+    # A tp group's ranks hold parts of the same layers: they read the same rows, picked by the
+    # dp coordinate. CommLog records each collective with its process group: its dimension.
+    ui.step(4, "Train on this dp group's rows, recording every collective")
     losses: list[float] = []
     timer = Timer()
-    counter = planner.CountByDim(mesh)  # every collective, with the mesh dimension it used
-    dp_rank = mesh.get_local_rank("dp")  # picks my rows of the batch: a tp group's ranks share them
+    log = CommLog()  # every collective, DTensor's own included (apparatus/comm.py)
+    dp_rank = mesh.get_local_rank("dp")
     log_every = max(1, args.steps // 5)
-    with ui.progress(args.steps, "training") as bar, counter:
+    with ui.progress(args.steps, "training") as bar, log.recording():
         for step in range(args.steps):
             x, y = T.batch(step, args.seed)
             x, y = T.shard(x, dp_rank, args.dp).to(device), T.shard(y, dp_rank, args.dp).to(device)
-            loss = T.loss_fn(train_model(x), y)
+            loss = T.loss_fn(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -154,7 +143,6 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     wall = timer.seconds
     final_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     losses = sharding.mean_over_ranks(losses)
-    comm = planner.report_dims(ui, counter, args.steps, args.dp, args.tp)  # tp: activations, dp: weights
 
     # Step 5: Evaluate against the floor
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
@@ -171,85 +159,32 @@ def worker(rank: int, world: int, args, kind: str) -> None:
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
 
-    # Step 6: Count parameters, gradients and optimizer state
-    # Read off the tensors themselves, beside the formula. AdamW keeps two numbers per
-    # parameter (exp_avg, exp_avg_sq): the optimizer state is twice the model.
-    ui.step(6, "Count parameters, gradients and optimizer state")
+    # Step 6: Count the bytes each rank holds and each dimension sends
+    # Held: from each rank's own local shards. Sent: Step 4's collectives sorted by the mesh
+    # dimension whose group carried them. Both beside the planner's formulas (--plan).
+    ui.step(6, "Count the bytes each rank holds and each dimension sends")
     held = sharding.held_bytes(model, optimizer)  # mine, from my local shards, padding included
-    fp32, mixed = formula_bytes(n_params), formula_bytes(n_params, mixed=True)
-    ui.table(f"Bytes held for {n_params:,} parameters", ["", "measured", "fp32 formula",
-             "per parameter", "mixed precision (ZeRO paper)"],
-             [[k, f"{held[k]:,}", f"{fp32[k]:,}", held[k] // n_params, f"{mixed[k]:,}"]
-              for k in held] + [["total", f"{sum(held.values()):,}", f"{sum(fp32.values()):,}",
-                                 sum(held.values()) // n_params, f"{sum(mixed.values()):,}"]])
-    per_rank = planner.check_memory(ui, held, args.dp, args.tp)  # the planner's formula
-    model = T.make_model(args.seed).to(device)  # steps 7-9 on a plain copy and my rows only:
-    x, y = T.shard(x, dp_rank, args.dp), T.shard(y, dp_rank, args.dp)  # as in training
+    per_rank = planner.check_memory(ui, held, args.dp, args.tp)  # every rank's, beside the formula
+    comm = planner.report_dims(ui, log, mesh, args.steps)  # tp: activations, dp: weights
 
-    # Step 7: Measure the activations
-    # Autograd keeps some tensors of the forward pass until backward needs them. The
-    # saved_tensors_hooks in apparatus/memory.py see each one as it is saved.
-    ui.step(7, "Measure the activations")
-    with SavedTensors(model) as plain:
-        loss_plain = T.loss_fn(model(x), y)
-    ui.print(f"one batch of {x.numel():,} tokens saves {mib(plain.bytes)} of activations "
-             f"({plain.bytes / held['parameters']:.1f}x the parameters)")
-
-    # Step 8: Activation checkpointing
-    # Keep only each block's input; recompute the rest in backward. Same numbers, less
-    # memory, one extra forward of every block per step.
-    ui.step(8, "Activation checkpointing")
-    with SavedTensors(model) as ckpt:
-        loss_ckpt = T.loss_fn(forward_checkpointed(model, x), y)
-    ui.print(f"saved for backward: {mib(plain.bytes)} plain -> {mib(ckpt.bytes)} checkpointed; "
-             f"loss {loss_plain.item():.6f} vs {loss_ckpt.item():.6f}")
-    retrain = T.make_model(args.seed).to(device)  # a fresh run: do the losses stay the same?
-    retrain_opt = T.make_optimizer(retrain)
-    k = min(10, args.steps)
-    ckpt_losses = []
-    for step in range(k):
-        xb, yb = (t.to(device) for t in T.batch(step, args.seed))
-        loss = T.loss_fn(forward_checkpointed(retrain, xb), yb)
-        retrain_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        retrain_opt.step()
-        ckpt_losses.append(loss.item())
-    ui.print(f"first {k} training losses identical with and without checkpointing: "
-             f"{ckpt_losses == T.train_reference(args.seed, k)['losses'].tolist()}")
-    t_plain = seconds(lambda: T.loss_fn(model(x), y).backward())
-    t_ckpt = seconds(lambda: T.loss_fn(forward_checkpointed(model, x), y).backward())
-    ui.print(f"forward + backward: {t_plain * 1e3:.1f} ms plain, {t_ckpt * 1e3:.1f} ms "
-             f"checkpointed ({t_ckpt / t_plain - 1:+.0%}: the recomputed forward)")
-
-    # Step 9: bf16 autocast
-    # Matmuls run in bfloat16 (2 bytes) while LayerNorm and the loss stay in float32.
-    ui.step(9, "bf16 autocast")
-    with SavedTensors(model) as bf16, torch.autocast(device.type, dtype=torch.bfloat16):
-        loss_bf16 = T.loss_fn(model(x), y)
-    ui.print(f"activations: {mib(plain.bytes)} fp32 -> {mib(bf16.bytes)} under bf16 autocast "
-             f"(+ {mib(bf16.weight_copy_bytes)} of bf16 weight copies autocast saved too)")
-    ui.print(f"loss: {loss_plain.item():.6f} fp32, {loss_bf16.item():.6f} bf16 "
-             f"(difference {abs(loss_bf16.item() - loss_plain.item()):.1e})")
-
-    # Step 10: Save the results
+    # Step 7: Compare with lesson 13, save the results
     # final_state is the full state dict gathered to rank 0's CPU: a plain model loads it.
-    # Lesson 13's weights within 1e-3, beside the floor: one process in N chunks, as N ranks.
-    ui.step(10, "Save the results")
+    # Lesson 13's weights within 1e-3, beside the floor: one process in dp chunks (tp does
+    # not split the batch).
+    ui.step(7, "Compare with lesson 13, save the results")
     folder = out_dir("19", args.out)
     samples = args.steps * T.GLOBAL_BATCH
-    del train_model, optimizer
+    del optimizer
     if rank != 0:  # rank 0 alone writes
         return teardown()
     diff, gap = sharding.compare_with_lesson_13(ui, final_state, args.seed, args.steps, args.dp)
     save_results(folder, final_state, make_metrics(
-        lesson="19", world_size=world, mesh_shape=[args.dp, args.tp], backend=backend_for(device), device=str(device), losses=losses,
+        lesson="19", world_size=world, mesh_shape=[args.dp, args.tp], backend=backend_for(device),
+        device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, memory_bytes={**held, "activations": plain.bytes},
-        activations_checkpointed_bytes=ckpt.bytes, activations_bf16_bytes=bf16.bytes,
-        checkpointed_losses=ckpt_losses, loss_bf16=loss_bf16.item(),
-        seconds_forward_backward={"plain": t_plain, "checkpointed": t_ckpt},
-        max_abs_diff_vs_single_device=diff, chunked_floor=gap, **planner.metrics(comm, per_rank)))
+        loss_floor=floor, max_abs_diff_vs_single_device=diff, chunked_floor=gap,
+        **planner.metrics(comm, per_rank)))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
     teardown()

@@ -2,8 +2,8 @@
 
 One short run on 4 ranks (--dp 2 --tp 2) feeds every assertion about the job: lesson 13's
 weights, the groups each rank talks in, the bytes each rank holds and sends per dimension
-(measured) beside the planner's formulas and beside the same numbers worked out here from
-the recipe's shapes. The planner's other formulas: DDP and ZeRO-3 against lesson 15's
+(measured by apparatus/comm.py's CommLog) beside the planner's formulas and beside the same
+numbers worked out here from the recipe's shapes; the steps it prints. The planner's other formulas: DDP and ZeRO-3 against lesson 15's
 formulas (which its tests measure), ZeRO-1/2 by arithmetic, the pipeline's bytes on a real
 2-stage pipeline of the recipe (2 processes), its bubble against lesson 18's GPipe timeline;
 and --plan's table in-process.
@@ -46,6 +46,16 @@ def test_same_weights_as_lesson_13_within_the_floor(job):
     assert metrics["mesh_shape"] == [DP, TP] and metrics["world_size"] == DP * TP
     assert metrics["losses"] == pytest.approx(reference["losses"].tolist(), abs=1e-4)
     assert set(state) == set(SHAPES)  # a plain state dict: no wrapper prefix, nothing sharded
+
+
+def test_prints_its_own_steps_and_keeps_lesson_13s_demonstrations_in_13(job):
+    import re
+    out, _, metrics = job
+    titles = re.findall(r"^Step (\d+): (.*)$", out, re.M)
+    assert [int(n) for n, _ in titles] == list(range(1, 8))
+    assert "Build the mesh, split each block across tp, shard across dp" in dict(titles).values()
+    assert not {"memory_bytes", "activations_checkpointed_bytes", "activations_bf16_bytes",
+                "checkpointed_losses", "loss_bf16", "seconds_forward_backward"} & set(metrics)
 
 
 def test_each_rank_names_its_dp_and_tp_groups(job):
@@ -125,8 +135,9 @@ def test_plan_table_for_a_7b_model(monkeypatch, capsys):
     assert "tp" in rows["TP 16 x ZeRO-3 4"].split("│")[6]  # tensor parallel across nodes: flagged
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--dp", "5", "--tp", "1"], "--dp 5 --tp 1"), (["--tp", "3"], "heads"), (["--dp", "4", "--tp", "4"], "at most 8"),
+@pytest.mark.parametrize("flags,words", [  # Part 2's one rule (common/transformer.py), per dimension
+    (["--dp", "5", "--tp", "1"], "--dp must divide the global batch of 48 rows"),
+    (["--tp", "3"], "4 attention heads"), (["--dp", "4", "--tp", "4"], "at most 2 on one machine: use one of 1, 2"),
     (["--plan", "-1"], "positive"), (["--plan", "7e9", "--gpus", "12"], "whole number of nodes")])
 def test_bad_flags_one_line(flags, words, monkeypatch, capsys):
     line = parse_error(import_lesson("19"), flags, monkeypatch, capsys)
@@ -135,23 +146,16 @@ def test_bad_flags_one_line(flags, words, monkeypatch, capsys):
 
 def _pipeline_rank(rank: int, world: int, m: int) -> list:
     """Two pipeline stages of the recipe (embeddings + block 0 | block 1 + head), m micro-batches
-    (GPipe order: every forward, then every backward), the bytes each stage sends counted by a
-    TorchDispatchMode on c10d's send op and returned (run_ranks has joined the gloo group)."""
+    (GPipe order: every forward, then every backward), the bytes of each send counted by
+    apparatus/comm.py's CommLog and returned (run_ranks has joined the gloo group)."""
     import torch
     import torch.distributed as dist
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    sent = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func._overloadpacket) == "c10d.send":
-                sent.extend(t.numel() * t.element_size() for t in args[0])
-            return func(*args, **(kwargs or {}))
+    from apparatus.comm import CommLog
 
     model, (x, y) = T.make_model(), T.batch(0)
     outs = []
-    with Count():
+    with CommLog().recording() as log:
         for i in range(m):  # forwards
             xb, yb = T.shard(x, i, m), T.shard(y, i, m)
             if rank == 0:
@@ -172,7 +176,7 @@ def _pipeline_rank(rank: int, world: int, m: int) -> list:
                 h, loss = outs[i]
                 loss.backward()
                 dist.send(h.grad, 0)
-    return sent
+    return [c.sent_bytes for c in log.calls if c.kind == "send"]
 
 
 def test_pipeline_bytes_match_the_planner():

@@ -23,9 +23,10 @@ parallel (PP) and their combinations. Every formula is one the lessons taught:
 The instruments (inside lesson 19's job, on every rank):
 
     show_mesh(ui, mesh)              the mesh, and each rank's dp and tp groups
-    CountByDim(mesh)                 a TorchDispatchMode: every collective, by mesh dimension
-    report_dims(ui, counter, ...)    bytes per step per dimension, measured beside the planner,
-                                     and what they would cost at assumed bandwidths
+    report_dims(ui, log, mesh, ...)  the collectives apparatus/comm.py's CommLog recorded, sorted
+                                     by the mesh dimension whose process group carried each one:
+                                     bytes per step per dimension beside the planner, and what
+                                     they would cost at assumed bandwidths
     check_memory(ui, held, ...)      bytes this rank holds beside the planner
 """
 from __future__ import annotations
@@ -233,75 +234,6 @@ def show_mesh(ui, mesh) -> None:
              [[r, tuple(c), g["dp"], g["tp"]] for r, (c, g) in enumerate(everyone)])
 
 
-OPS = {  # dispatcher op -> (kind, index of S among the arguments, S is the input of a gather)
-    "c10d.allreduce_": ("all_reduce", lambda a: a[0][0]),
-    "c10d._allgather_base_": ("all_gather", lambda a: a[0]),
-    "c10d._reduce_scatter_base_": ("reduce_scatter", lambda a: a[1]),
-    "_c10d_functional.all_reduce": ("all_reduce", lambda a: a[0]),
-    "_c10d_functional.all_gather_into_tensor": ("all_gather", lambda a: a[0]),
-    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", lambda a: a[0]),
-}
-SHARE = {"all_reduce": lambda n: 2 * ring(n), "all_gather": ring, "reduce_scatter": ring}
-
-
-class CountByDim:
-    """with CountByDim(mesh) as c: ...  ->  c.calls: [(dim, kind, S bytes, sent bytes)].
-
-    A TorchDispatchMode sees both kinds of collective: FSDP2's (dist.* calls, the c10d ops,
-    which carry their process group) and DTensor's functional ones (which carry its name).
-    The group says the dimension."""
-
-    def __init__(self, mesh):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        import torch.distributed as dist
-        names = {mesh[d].get_group().group_name: d for d in ("dp", "tp")}
-        calls = self.calls = []
-
-        def dim_of(args):
-            for a in args:
-                if isinstance(a, str) and a in names:
-                    return names[a]
-                if isinstance(a, torch.ScriptObject):
-                    try:
-                        return names.get(dist.ProcessGroup.unbox(a).group_name, "other")
-                    except Exception:  # a ReduceOp, not a group
-                        continue
-            return "other"
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                name = str(func._overloadpacket)
-                if name in OPS:
-                    kind, data = OPS[name]
-                    dim = dim_of(args)
-                    t = data(args)
-                    size = t.numel() * t.element_size()
-                    n = mesh[dim].size() if dim in ("dp", "tp") else 1
-                    if kind == "all_gather" and name.startswith("_c10d"):
-                        size *= n  # the functional op is given the input; S is the output
-                    calls.append((dim, kind, size, SHARE[kind](n) * size))
-                return out
-
-        self._mode = Mode()
-
-    def __enter__(self):
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-
-    def per_step(self, steps: int) -> dict[str, dict]:
-        out: dict = {}
-        for dim, kind, size, sent in self.calls:
-            d = out.setdefault(dim, {"calls": 0, "sent_bytes": 0.0})
-            d["calls"] += 1
-            d["sent_bytes"] += sent
-            d[kind] = d.get(kind, 0) + 1
-        return {dim: {k: v / steps for k, v in d.items()} for dim, d in out.items()}
-
-
 def recipe_model(dp: int) -> Model:
     """The Part 2 recipe as the planner sees it: each dp rank's rows are one micro-batch."""
     from common import transformer as T
@@ -324,16 +256,21 @@ def recipe_groups(tp: int) -> list[float]:
     return groups
 
 
-def report_dims(ui, counter: CountByDim, steps: int, dp: int, tp: int) -> dict:
-    """Bytes this rank sent per step in each dimension, beside the planner's formula, and what
-    that would take on each kind of link (assumed bandwidths, not measured)."""
-    measured = counter.per_step(steps)
+def report_dims(ui, log, mesh, steps: int) -> dict:
+    """Bytes this rank sent per step in each dimension (the CommLog recorded `steps` steps; a
+    call's process group names its dimension), beside the planner's formula, and what that
+    would take on each kind of link (assumed bandwidths, not measured)."""
+    from apparatus.comm import SHARE
+
+    dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    dims = {mesh[d].get_group().group_name: d for d in ("dp", "tp")}
+    measured = log.tally(lambda c: dims.get(c.group, "other"), steps)
     model = recipe_model(dp)
     formula = comm(model, Layout(dp=dp, tp=tp, zero=3), element=4, group_bytes=recipe_groups(tp))
     rows = []
     for dim in ("dp", "tp"):
         m = measured.get(dim, {"calls": 0, "sent_bytes": 0.0})
-        kinds = ", ".join(f"{m[k]:g} {k}" for k in SHARE if m.get(k))
+        kinds = ", ".join(f"{m[k]:g} {k}" for k in SHARE if m.get(k))  # apparatus/comm.py's kinds
         rows.append([dim, kinds or "none", f"{m['sent_bytes']:,.0f}", f"{formula[dim]:,.0f}",
                      f"{m['sent_bytes'] / NVLINK * 1e6:,.2f}", f"{m['sent_bytes'] / INFINIBAND * 1e6:,.2f}"])
     ui.table(f"Bytes rank 0 sent per step, by dimension (dp {dp} x tp {tp})",
@@ -360,12 +297,6 @@ def check_memory(ui, held: dict, dp: int, tp: int) -> dict:
     return {"measured": everyone, "formula": formula}
 
 
-def quiet_redistribute() -> None:
-    """Gathering a 2-D (FSDP x TP) weight for the full state dict makes DTensor warn that it
-    needs two all-gathers; true, harmless here (once, at the end): keep the output readable."""
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-
 def metrics(comm: dict, memory_check: dict) -> dict:
     """Lesson 15's metrics.json keys, for the 2-D run, and the per-dimension details."""
     import torch.distributed as dist
@@ -381,15 +312,11 @@ def metrics(comm: dict, memory_check: dict) -> dict:
 
 
 def check_flags(args):
-    """Lesson 19's flags: the mesh must fit the recipe, the plan's numbers be sensible."""
-    from common import transformer as T
+    """Lesson 19's flags beyond --dp and --tp (the lesson checks those by Part 2's rule): the
+    plan's numbers must be sensible, and --device cuda needs a GPU per rank."""
     from common.cli import fail
-    if args.plan is not None:
-        if problem := check_plan_flags(args):
-            fail(problem)
-    elif T.GLOBAL_BATCH % args.dp or T.N_HEADS % args.tp or args.dp * args.tp > 8:
-        fail(f"--dp {args.dp} --tp {args.tp}: dp must divide the batch of {T.GLOBAL_BATCH} rows, "
-             f"tp the {T.N_HEADS} heads, and dp x tp be at most 8 ranks, e.g. --dp 2 --tp 2")
+    if args.plan is not None and (problem := check_plan_flags(args)):
+        fail(problem)
     args.world_size = args.dp * args.tp  # what lesson 15's code calls the job's size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.plan is None and args.device == "cuda" and 0 < gpus < args.world_size:
