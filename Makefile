@@ -20,7 +20,7 @@ RUN_06 := tools/nodes.py --nnodes 2 --nproc-per-node 2 --
 RUN_07 := tools/nodes.py --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
 
 # check-% and lesson-% are pattern rules
-.PHONY: checks help venv lessons test clean distclean docs-output diff bench bench-docs read
+.PHONY: checks help venv lessons test clean distclean docs-output diff bench bench-docs read gpu-check
 
 help:
 	@echo "Distributed PyTorch, Step by Step"
@@ -41,6 +41,7 @@ help:
 		"make test" "run the test suite (pytest, CPU only, about 10 minutes on 2 cores)" \
 		"make bench" "measured speedups and costs (2-3 minutes on 2 cores; writes runs/bench/)" \
 		"make bench-docs" "maintainers: make bench, then rewrite docs/PERFORMANCE.md (en, zh) and its plots" \
+		"make gpu-check" "on a GPU machine: every lesson's GPU path against the CPU, one table (runs/gpu-check/)" \
 		"make docs-output" "rerun the commands whose output the docs show (DOCS=docs/01_*.md)" \
 		"make venv" "create .venv and install requirements.txt (done automatically)" \
 		"make clean" "delete runs/ and caches (keeps .venv)" \
@@ -102,6 +103,9 @@ bench: $(STAMP)  ## measured performance: runs/bench/ (results.json, tables, plo
 
 bench-docs: $(STAMP)  ## rewrite the committed docs/PERFORMANCE.md, docs/zh/PERFORMANCE.md and docs/img/bench/ (needs matplotlib)
 	$(PY) -m bench.run --publish $(ARGS)
+
+gpu-check: $(STAMP)  ## every lesson's GPU path against the same run on the CPU: runs/gpu-check/table.md (no CUDA: one line, exit 0)
+	@$(PY) tools/gpu_check.py $(ARGS)
 
 read: $(STAMP)  ## the reading site: each lesson's doc beside its code, step by step (runs/read/)
 	@$(PY) tools/read_site.py
