@@ -35,6 +35,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # imports common first, and its children inherit the variable.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.access(ROOT, os.W_OK):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(ROOT / "runs" / ".torchinductor")
+# torch.profiler's C++ half (kineto) writes to stderr at every start and stop of a trace
+# ("USDT: ... profiler_start", and without CUDA "gpuGetDeviceCount failed with code 35"):
+# lines about the profiler itself, not the job (lesson 20, check-20). Level 6 keeps them
+# out; set KINETO_LOG_LEVEL=0 to see them. Read when a trace starts, so set here is in time.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
