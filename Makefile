@@ -43,15 +43,20 @@ help:
 		"make bench-docs" "maintainers: make bench, then rewrite docs/PERFORMANCE.md (en, zh) and its plots" \
 		"make gpu-check" "on a GPU machine: every lesson's GPU path against the CPU, one table (runs/gpu-check/)" \
 		"make docs-output" "rerun the commands whose output the docs show (DOCS=docs/01_*.md)" \
-		"make venv" "create .venv and install requirements.txt (done automatically)" \
+		"make venv [CPU_ONLY=1]" "create .venv and install requirements.txt (done automatically)" \
 		"make clean" "delete runs/ and caches (keeps .venv)" \
 		"make distclean" "clean, and delete .venv too"
 
 # The virtual environment: created on first use, re-installed when requirements.txt changes.
+# CPU_ONLY=1 takes torch and torchvision from PyTorch's CPU wheel index instead of PyPI's
+# default wheels, which bring about 3 GB of CUDA libraries a laptop without a GPU never uses.
+# (Not tested here: our machines reach PyPI only. See README, "Installing for a classroom".)
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+PIP_INDEX := $(if $(filter-out 0,$(CPU_ONLY)),--extra-index-url $(CPU_INDEX))
 $(STAMP): requirements.txt
 	@echo "Setting up $(VENV) (first run only: downloads and installs torch, which is large; pip shows its progress)..."
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -m pip install --disable-pip-version-check --progress-bar on -r requirements.txt 2> >(grep -v "^WARNING: Location" >&2)
+	@$(PY) -m pip install --disable-pip-version-check --progress-bar on $(PIP_INDEX) -r requirements.txt 2> >(grep -v "^WARNING: Location" >&2)
 	@touch $(STAMP)
 
 venv: $(STAMP)

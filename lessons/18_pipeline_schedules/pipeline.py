@@ -127,7 +127,7 @@ def save_png(tl, path: Path, title: str) -> str:
         matplotlib.use("Agg")  # no window: files only
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed, so no PNG (pip install matplotlib to get one)"
+        return "matplotlib is not installed, so no PNG (make venv installs it: requirements.txt)"
     colours = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
     ranks = sorted({r for r, *_ in tl})
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * max(e for _, _, e, _ in tl)), 0.6 * len(ranks) + 1))
