@@ -7,6 +7,10 @@ writes its own shards, nobody gathers the model. --stop-at-step K saves after st
 --resume DIR continues at any --world-size and ends with the uninterrupted run's weights. Then
 async_save against save, and the checkpoint made into one torch.save file for a plain model.
 Lesson 15's byte and collective counts stay there: a checkpoint changes neither.
+Each save is written beside its folder and renamed into place whole, with checkpoint.json
+(what made it, each file's sha256) written last; a resume checks it all, and reads DCP's
+.metadata pickle with an allow-list, so a crafted one runs no code
+(lessons/16_distributed_checkpoint/checkpointing.py).
 
 Run:
     make lesson-16
@@ -37,7 +41,7 @@ from apparatus.state_dicts import load_into
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, pick_device, plan_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
-from apparatus.results import make_metrics, max_abs_diff, out_dir, save_results, shown
+from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown
 from apparatus.ui import UI, Timer
 
 
@@ -55,7 +59,7 @@ def parse_args():
                         action="store_false", help="fsdp: keep gathered weights until backward")
     args = parser.parse_args()
     T.check_world_size(args.world_size, "--world-size")  # before any rank starts
-    return checkpointing.check(args)  # --stop-at-step and the --resume folder, also before
+    return checkpointing.check(args)  # --stop-at-step before --steps, also before
 
 
 def checkpoint_state(model, optimizer, step: int) -> dict:  # my shards (DTensors), and the step
@@ -65,6 +69,8 @@ def checkpoint_state(model, optimizer, step: int) -> dict:  # my shards (DTensor
 
 def main() -> None:
     args = parse_args()
+    folder = claim_out(out_dir("16", args.out))  # checked now, not after training; ours alone
+    checkpointing.claim(args, folder)  # --checkpoint too, locked; then the --resume folder, checked
     ui = UI(step_mode=args.step)
     ui.title(f"Lesson 16: {args.strategy} on {args.world_size} ranks, with a distributed checkpoint")
 
@@ -74,7 +80,10 @@ def main() -> None:
     ui.print(note or f"{args.world_size} ranks, one GPU each")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)),
                       PYTHONWARNINGS="ignore:FSDP2-wrapped module")  # our logits are a view
-    spawn(worker, args=(args.world_size, args, kind), nprocs=args.world_size)
+    try:
+        spawn(worker, args=(args.world_size, args, kind), nprocs=args.world_size)
+    finally:  # a save killed half way: the earlier checkpoint in place, no temporary folder left
+        checkpointing.tidy(args.checkpoint, folder / "checkpoint-async")
 
 
 def worker(rank: int, world: int, args, kind: str) -> None:
@@ -112,7 +121,7 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     start, end = 0, args.stop_at_step or args.steps
     if args.resume:  # each rank reads the pieces of its own shards, whatever world saved them
         state = checkpoint_state(model, optimizer, 0)  # my shards: the places to fill
-        dcp.load(state, checkpoint_id=args.resume)  # in place, into those tensors
+        dcp.load(state, storage_reader=checkpointing.Reader(args.resume))  # in place; checked, no pickle code
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = checkpointing.show_resumed(ui, state, optimizer)  # the step saved, AdamW's step counter
     n_params = sum(p.numel() for p in model.parameters())
@@ -160,11 +169,13 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
 
     # Step 6: Save a distributed checkpoint
-    # Each rank writes the shards it holds; checkpointing.py shows what gathering would cost rank 0.
+    # Each rank writes the shards it holds, into a folder beside the checkpoint; rank 0 then
+    # renames it into place, so a kill mid-save leaves the earlier checkpoint whole.
     ui.step(6, "Save a distributed checkpoint")
     folder = out_dir("16", args.out)
     timer = Timer()
-    dcp.save(checkpoint_state(model, optimizer, end), checkpoint_id=args.checkpoint)  # every rank writes its own file
+    with checkpointing.save_beside(args.checkpoint, args, end) as beside:  # then renamed into place, whole
+        dcp.save(checkpoint_state(model, optimizer, end), checkpoint_id=beside)  # every rank writes its own file
     checkpointing.show_files(ui, args.checkpoint, model, blocking := timer.seconds)
     if args.stop_at_step:  # interrupted on purpose: the checkpoint is all this run leaves
         return teardown()
@@ -172,9 +183,10 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     # Step 7: Save without stopping training
     ui.step(7, "Save without stopping training")
     timer = Timer()
-    future = dcp.async_save(checkpoint_state(model, optimizer, end), checkpoint_id=folder / "checkpoint-async")
-    ui.print(f"dcp.save blocked training {blocking:.3f}s; dcp.async_save returned a {type(future).__name__} in {timer.seconds:.3f}s")
-    future.result()  # wait before the next save (and before exiting): now the files are done
+    with checkpointing.save_beside(folder / "checkpoint-async", args, end) as beside:
+        future = dcp.async_save(checkpoint_state(model, optimizer, end), checkpoint_id=beside)
+        ui.print(f"dcp.save blocked training {blocking:.3f}s; dcp.async_save returned a {type(future).__name__} in {timer.seconds:.3f}s")
+        future.result()  # wait before the next save (and before exiting): now the files are done
 
     # Step 8: Make the checkpoint one torch.save file
     # For whoever runs no FSDP2 (evaluation, a model hub): one process reads every shard.

@@ -1,28 +1,70 @@
-"""Lesson 16: distributed checkpoints, run as a learner would.
+"""Lesson 16: distributed checkpoints, run as a learner would, and attacked as testers did.
 
-One run on 2 ranks stops after step 3 of 6 and leaves a DCP checkpoint; one run on 3 ranks
-resumes from it (DCP reshards 2 -> 3) and must end with the uninterrupted run's weights
-(lesson 13's reference, within 1e-3) and print its losses beside the reference's. The bad
-checkpoints (a missing shard, a truncated or overwritten one, another model's) are caught in the launcher
-before any rank starts, so they are checked in-process: one line, exit 2, nothing changed.
+Three lesson runs are shared by the file:
+* "stopped": 2 ranks stop after step 3 of 6 and leave a DCP checkpoint (`ckpt`);
+* "seven": a --seed 7 run on 2 ranks saves a whole checkpoint of its own (`seven`), then is
+  killed in the middle of its asynchronous save, into a folder that held a copy of `ckpt`
+  (rank 1 is SIGKILLed by a sitecustomize hook, written below, after it wrote 3 pieces of
+  its shard): that copy must come through byte for byte, nothing left beside it;
+* "resumed": 3 ranks resume from `ckpt` (DCP reshards 2 -> 3) and must end with the
+  uninterrupted run's weights (lesson 13's reference, within 1e-3).
+Everything else is refused in the launcher before any rank starts, so it is checked
+in-process: one line, exit 2, nothing changed. Crafted pickles (a `.metadata` or a shard
+whose __reduce__ calls eval) must never run: each writes a marker file if it does.
 """
+import builtins
 import hashlib
+import io
+import json
+import os
+import pickle
 import shutil
+import subprocess
+import sys
+import time
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common import transformer as T
 from apparatus.state_dicts import load_into
-from conftest import import_lesson, load_run, max_abs_diff, parse_error, run_lesson
+from conftest import ROOT, import_lesson, load_run, max_abs_diff, one_error_line, parse_error, run_lesson
 
 STEPS, STOP = 6, 3
+
+# Runs at the start of every Python of the "seven" job (PYTHONPATH): in rank 1, while it writes
+# the asynchronous checkpoint, kill it with SIGKILL after its third piece, mid-shard.
+KILL_HOOK = '''
+import os
+if os.environ.get("LESSON16_TEST_KILL_RANK"):
+    import signal
+    import torch.distributed.checkpoint.filesystem as fs
+    _write_item, _written = fs._write_item, []
+
+    def _write_then_die(transforms, stream, *args, **kwargs):
+        result = _write_item(transforms, stream, *args, **kwargs)
+        if (os.environ.get("RANK") == os.environ["LESSON16_TEST_KILL_RANK"]
+                and "checkpoint-async" in str(getattr(stream, "name", ""))):
+            _written.append(1)
+            if len(_written) == 3:
+                stream.flush()  # three pieces on disk, the rest never
+                os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    fs._write_item = _write_then_die
+'''
 
 
 @pytest.fixture(scope="module")
 def reference():
     return T.train_reference(T.SEED, STEPS)  # computed (or read) once, before the ranks need it
+
+
+def _bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 @pytest.fixture(scope="module")
@@ -32,25 +74,44 @@ def runs(tmp_path_factory, reference):
     stopped = run_lesson("16", "--device", "cpu", "--world-size", 2, "--steps", STEPS,
                          "--stop-at-step", STOP, "--checkpoint", ckpt, "--out", base / "stopped",
                          timeout=240)
-    saved = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    saved = _bytes(ckpt)
+    (base / "hook").mkdir()
+    (base / "hook" / "sitecustomize.py").write_text(KILL_HOOK)
+    shutil.copytree(ckpt, base / "seven-out" / "checkpoint-async")  # the earlier checkpoint there
+    env = {"LESSON16_TEST_KILL_RANK": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(base / "hook"), os.environ.get("PYTHONPATH")]))}
+    seven = run_lesson("16", "--device", "cpu", "--world-size", 2, "--steps", STEPS, "--seed", 7,
+                       "--checkpoint", base / "seven", "--out", base / "seven-out", timeout=240,
+                       check=False, env=env)
     resumed = run_lesson("16", "--device", "cpu", "--world-size", 3, "--steps", STEPS,
                          "--resume", ckpt, "--checkpoint", base / "ckpt3", "--out", base / "resumed",
-                         timeout=240)
-    return {"base": base, "ckpt": ckpt, "saved": saved, "stopped": stopped.stdout,
-            "resumed": resumed.stdout}
+                         timeout=240, check=False)
+    return {"base": base, "ckpt": ckpt, "saved": saved, "stopped": stopped.stdout, "seven": seven,
+            "resumed": resumed}
 
 
 def test_stopped_run_leaves_one_shard_per_rank_and_no_results(runs):
     names = sorted(runs["saved"])
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"], names  # 2 ranks, 2 files
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "checkpoint.json"], names
     out = runs["stopped"]
     for name, data in runs["saved"].items():  # the lesson lists each file with its size
         assert name in out and f"{len(data):,}" in out
     assert not (runs["base"] / "stopped" / "final.pt").exists()
     assert f"--resume {runs['ckpt']}" in out and "Step 7" not in out  # saved, and exited
+    manifest = json.loads(runs["saved"]["checkpoint.json"])
+    assert (manifest["seed"], manifest["step"], manifest["world_size"], manifest["strategy"]) == (
+        T.SEED, STOP, 2, "fsdp")
+    for name, data in runs["saved"].items():  # written last: every other file's digest
+        if name != "checkpoint.json":
+            assert manifest["files"][name] == {"bytes": len(data),
+                                               "sha256": hashlib.sha256(data).hexdigest()}
+    assert "checkpoint.json, written last: --seed 0, fsdp, step 3 on 2 ranks" in out
+    assert sorted(p.name for p in runs["base"].iterdir() if p.name.startswith("ckpt.")) == []
 
 
 def test_resumed_at_three_ranks_ends_with_the_uninterrupted_weights(runs, reference):
+    proc = runs["resumed"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
     state, metrics = load_run(runs["base"] / "resumed")
     diff = max_abs_diff(state, reference["state"])
     assert diff <= 1e-3 and metrics["max_abs_diff_vs_single_device"] == pytest.approx(diff)
@@ -60,13 +121,14 @@ def test_resumed_at_three_ranks_ends_with_the_uninterrupted_weights(runs, refere
     assert metrics["losses"] == pytest.approx(ref, abs=1e-4)
     assert metrics["reference_losses"] == pytest.approx(ref, abs=1e-12)
     assert not {"memory_bytes", "per_rank_bytes", "activations_bf16_bytes"} & set(metrics)  # lessons 13, 15's
-    out = runs["resumed"]
+    out = proc.stdout
     assert "resumed after step 3 on 3 ranks" in out and "AdamW's step counter" in out
     assert ": 3" in out.split("AdamW's step counter")[1].splitlines()[0]  # restored, not 0
     for loss in ref:
         assert f"{loss:.6f}" in out
-    assert sorted(p.name for p in (runs["base"] / "ckpt3").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    for folder in (runs["base"] / "ckpt3", runs["base"] / "resumed" / "checkpoint-async"):
+        assert sorted(p.name for p in folder.iterdir()) == [
+            ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "checkpoint.json"]
     assert "returned a Future" in out
 
 
@@ -77,22 +139,252 @@ def test_converted_checkpoint_loads_into_a_plain_model(runs):
     model = T.make_model(seed=1)
     load_into(model, converted["model"])
     assert max_abs_diff(model.state_dict(), state) == 0.0
-    assert "max |w - final| = 0.0e+00" in runs["resumed"]
+    assert "max |w - final| = 0.0e+00" in runs["resumed"].stdout
+
+
+# --- item 2: a save killed half way leaves the earlier checkpoint whole ------------------------
+
+def test_a_rank_killed_during_a_save_leaves_the_earlier_checkpoint_whole(runs):
+    """Rank 1 SIGKILLed while it writes the asynchronous checkpoint (Step 7) into a folder
+    holding an earlier checkpoint: DCP writes in place, so that used to cut the old shard
+    short beside the old .metadata. Saved beside and renamed, the old one stays, byte for
+    byte (and resumes: it is `ckpt`, which the 3-rank run resumed), and nothing is left."""
+    proc, base = runs["seven"], runs["base"]
+    assert proc.returncode == 1 and "rank 1 died (SIGKILL)" in one_error_line(proc), proc.stderr[-2000:]
+    assert "Step 7" in proc.stdout  # killed in the asynchronous save, after Step 6's
+    assert _bytes(base / "seven-out" / "checkpoint-async") == runs["saved"]
+    assert sorted(p.name for p in (base / "seven-out").iterdir()) == [
+        ".checkpoint-async.lock", ".lock", "checkpoint-async"]  # no .saving, no .old
+    assert json.loads((base / "seven" / "checkpoint.json").read_text())["seed"] == 7
+
+
+def test_a_failed_save_leaves_the_earlier_checkpoint_and_no_temporary(runs, tmp_path, monkeypatch):
+    """A full disk in the middle of dcp.save (one process, a world of 1): one line naming the
+    folder and the reason, the earlier checkpoint as it was, no `.saving` folder left."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.filesystem as fs
+
+    checkpointing = import_lesson("16").checkpointing
+    folder = tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], folder)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fs, "_write_item", full_disk)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(checkpointing.CheckpointError) as info:
+            with checkpointing.save_beside(folder, SimpleNamespace(seed=0, strategy="fsdp"), 4) as beside:
+                dcp.save({"w": torch.ones(3)}, checkpoint_id=beside)
+    finally:
+        dist.destroy_process_group()
+    assert f"could not save {folder} (No space left on device)" in str(info.value)
+    assert _bytes(folder) == runs["saved"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# --- item 1: a crafted .metadata runs no code --------------------------------------------------
+
+class _Eval:
+    """Unpickles as eval(code): what an attacker puts in a pickle."""
+
+    def __init__(self, code):
+        self.code = code
+
+    def __reduce__(self):
+        return (builtins.eval, (self.code,))
+
+
+def _crafted_metadata(folder, marker):
+    """Replace .metadata with a pickle that writes `marker`, then returns the real metadata
+    (so that the old lesson resumed normally after running it)."""
+    real = (folder / ".metadata").read_bytes()
+    code = (f"(__import__('pathlib').Path({str(marker)!r}).write_text('ran'), "
+            f"__import__('pickle').loads({real!r}))[1]")
+    (folder / ".metadata").write_bytes(pickle.dumps(_Eval(code)))
+
+
+def _reseal(folder):
+    """Rewrite checkpoint.json's sizes and digests, as an attacker who edits the files can."""
+    if not (folder / "checkpoint.json").exists():  # a checkpoint of the old lesson: none to fix
+        return
+    manifest = json.loads((folder / "checkpoint.json").read_text())
+    manifest["files"] = {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                         for p in sorted(folder.iterdir()) if p.name != "checkpoint.json"}
+    (folder / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+def refusal(flags, tmp_path, monkeypatch, capsys) -> str:
+    """The launcher's start in-process (flags, then claim: --checkpoint and --resume checked
+    before any rank starts); its one error line."""
+    lesson = import_lesson("16")
+    monkeypatch.setattr(sys, "argv", ["16", "--steps", str(STEPS), "--checkpoint", str(tmp_path / "new"),
+                                      "--out", str(tmp_path / "out"), *map(str, flags)])
+    with pytest.raises(SystemExit) as info:
+        args = lesson.parse_args()
+        lesson.checkpointing.claim(args, lesson.out_dir("16", args.out))
+    assert info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    return lines[0]
+
+
+def test_crafted_metadata_is_refused_from_the_command_line_and_runs_nothing(runs, tmp_path):
+    folder, marker = tmp_path / "ckpt", tmp_path / "ran"
+    shutil.copytree(runs["ckpt"], folder)
+    _crafted_metadata(folder, marker)
+    _reseal(folder)  # the digests agree: only the allow-list stands in the way
+    proc = run_lesson("16", "--device", "cpu", "--world-size", 1, "--steps", STEPS, "--resume", folder,
+                      "--checkpoint", tmp_path / "new", "--out", tmp_path / "out", check=False, timeout=120)
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and f"--resume {folder}: its .metadata names builtins.eval" in line, line
+    assert "not one of DCP's metadata classes" in line
+    assert not marker.exists() and "Step 1" not in proc.stdout
+
+
+@pytest.mark.parametrize("resealed", [False, True])
+def test_crafted_metadata_is_refused_in_the_launcher(runs, tmp_path, monkeypatch, capsys, resealed):
+    folder, marker = tmp_path / "ckpt", tmp_path / "ran"
+    shutil.copytree(runs["ckpt"], folder)
+    _crafted_metadata(folder, marker)
+    if resealed:
+        _reseal(folder)
+    line = refusal(["--resume", folder], tmp_path, monkeypatch, capsys)
+    expected = "its .metadata names builtins.eval" if resealed else "checkpoint.json lists (not the file that was saved)"
+    assert expected in line, line
+    assert not marker.exists()
+
+
+def test_each_rank_reads_metadata_and_shards_through_the_checks(runs, tmp_path):
+    """What each rank hands dcp.load (a file may change after the launcher's check): the
+    crafted .metadata refused by the allow-list, a crafted shard by weights_only, each in
+    one sentence naming the file, and neither runs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    checkpointing = import_lesson("16").checkpointing
+    marker = tmp_path / "ran"
+    meta = tmp_path / "meta"
+    shutil.copytree(runs["ckpt"], meta)
+    _crafted_metadata(meta, marker)
+    _reseal(meta)
+    with pytest.raises(checkpointing.CheckpointError, match=r"its \.metadata names builtins\.eval"):
+        checkpointing.Reader(meta).read_metadata()
+
+    shard = tmp_path / "shard"  # the piece holding "step" now points to a crafted torch.save
+    shutil.copytree(runs["ckpt"], shard)
+    metadata = pickle.loads(runs["saved"][".metadata"])  # our own file: trusted
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "step")
+    crafted = io.BytesIO()
+    torch.save(_Eval(f"__import__('pathlib').Path({str(marker)!r}).write_text('ran')"), crafted)
+    info.offset, info.length = (shard / info.relative_path).stat().st_size, len(crafted.getvalue())
+    with open(shard / info.relative_path, "ab") as f:
+        f.write(crafted.getvalue())
+    (shard / ".metadata").write_bytes(pickle.dumps(metadata))
+    _reseal(shard)
+    with warnings.catch_warnings(), pytest.raises(CheckpointException) as exc:
+        warnings.simplefilter("ignore")
+        dcp.load({"step": torch.tensor(0)}, storage_reader=checkpointing.Reader(shard), no_dist=True)
+    last = str(exc.value).strip().splitlines()[-1]
+    assert f"the shard {info.relative_path} could not be loaded (torch.load with weights_only=True " \
+           f"refused it: Unsupported global: GLOBAL eval" in last, last
+    assert not marker.exists()
+
+
+# --- item 3: the wrong weights, refused --------------------------------------------------------
+
+def test_a_seed_7_checkpoint_is_refused_for_a_seed_0_run(runs, tmp_path, monkeypatch, capsys):
+    seven = runs["base"] / "seven"
+    line = refusal(["--resume", seven, "--steps", 10], tmp_path, monkeypatch, capsys)
+    assert f"--resume {seven} was made with --seed 7; this run has --seed 0: pass --seed 7" in line
+
+
+@pytest.mark.parametrize("damage", ["one flipped byte", "a shard swapped in from --seed 7"])
+def test_a_changed_shard_is_refused(runs, tmp_path, monkeypatch, capsys, damage):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], folder)
+    shard = folder / "__1_0.distcp"
+    if damage == "one flipped byte":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    else:
+        other = runs["base"] / "seven" / "__1_0.distcp"
+        assert other.stat().st_size == shard.stat().st_size  # the same size: only bytes differ
+        shutil.copy(other, shard)
+    line = refusal(["--resume", folder], tmp_path, monkeypatch, capsys)
+    assert "__1_0.distcp is not the file that was saved" in line, line
+
+
+def test_two_jobs_on_one_checkpoint_the_second_stops_at_once(runs, tmp_path):
+    """A second job that would write the same --checkpoint (or the same --out) while the
+    first holds it stops before doing anything, with one line naming the first job."""
+    holder = subprocess.Popen(  # the first job: holds the checkpoint's lock (beside it) and --out's
+        [sys.executable, "-c",
+         "import fcntl, os, sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path\n"
+         "from apparatus.results import claim_out; claim_out(Path(sys.argv[3]))\n"
+         "fd = os.open(sys.argv[2], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "os.write(fd, str(os.getpid()).encode()); print('held', flush=True); sys.stdin.read()",
+         str(ROOT), str(tmp_path / ".ckpt.lock"), str(tmp_path / "out")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for flags, flag in (([tmp_path / "ckpt", "--out", tmp_path / "out2"], "--checkpoint"),
+                            ([tmp_path / "ckpt2", "--out", tmp_path / "out"], "--out")):
+            start = time.monotonic()
+            proc = run_lesson("16", "--device", "cpu", "--checkpoint", *flags, check=False, timeout=60)
+            line = one_error_line(proc)
+            assert proc.returncode == 2 and f"{flag} {tmp_path}" in line and "is in use by another job" in line
+            assert f"(pid {holder.pid})" in line and "Step 1" not in proc.stdout
+            assert time.monotonic() - start < 30
+    finally:
+        holder.stdin.close()
+        holder.wait(30)
+
+
+# --- item 4: bad input, one line before any training -------------------------------------------
+
+def test_checkpoint_folder_that_cannot_be_written_is_one_line_before_training(tmp_path, monkeypatch, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    for where, expected in ((afile, "is a file, not a folder"), ("/dev/full", "is a file, not a folder"),
+                            ("/sys/ckpt", "cannot be written"),
+                            (tmp_path / "mine", "holds files that are not a checkpoint's (notes.txt)")):
+        line = refusal(["--checkpoint", where], tmp_path, monkeypatch, capsys)
+        assert f"--checkpoint {where}" in line and expected in line, line
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_bad_checkpoint_flag_from_the_command_line_stops_before_any_rank(tmp_path):
+    proc = run_lesson("16", "--checkpoint", "/dev/full", "--out", tmp_path, check=False, timeout=60)
+    assert "--checkpoint /dev/full is a file" in one_error_line(proc) and proc.returncode == 2
+    assert proc.stdout == ""  # not even the title: nothing started
 
 
 def _digest(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+            if p.is_file()}
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "overwritten", "other model"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "overwritten", "other model", "no manifest",
+                                    "manifest is a folder", "metadata is a folder", "a file"])
 def test_bad_checkpoint_is_one_line_and_left_as_it_was(runs, tmp_path, monkeypatch, capsys, damage):
     folder = tmp_path / "ckpt"
-    if damage == "other model":
+    if damage == "other model":  # a DCP checkpoint with a manifest that fits, of a Linear
         import torch.distributed.checkpoint as dcp
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.save({"model": torch.nn.Linear(4, 4).state_dict(), "step": torch.tensor(1)},
                      checkpoint_id=folder, no_dist=True)
+        checkpointing = import_lesson("16").checkpointing
+        checkpointing.write_manifest(folder, {**checkpointing.made_by(SimpleNamespace(seed=0, strategy="fsdp")),
+                                              "step": 1, "world_size": 1})
+    elif damage == "a file":
+        folder.write_text("x")
     else:
         shutil.copytree(runs["ckpt"], folder)
         shard = folder / "__1_0.distcp"
@@ -100,25 +392,67 @@ def test_bad_checkpoint_is_one_line_and_left_as_it_was(runs, tmp_path, monkeypat
             shard.unlink()
         elif damage == "truncated":
             shard.write_bytes(runs["saved"]["__1_0.distcp"][:1000])
-        else:  # the same length, its first bytes overwritten
+        elif damage == "overwritten":  # the same length, its first bytes overwritten
             shard.write_bytes(b"x" * 64 + runs["saved"]["__1_0.distcp"][64:])
-    before = _digest(folder)
-    lesson = import_lesson("16")
-    line = parse_error(lesson, ["--steps", str(STEPS), "--resume", str(folder)], monkeypatch, capsys)
-    expected = {"missing": "__1_0.distcp is missing", "truncated": "__1_0.distcp is 1,000 bytes",
-                "overwritten": "__1_0.distcp is damaged", "other model": "a checkpoint of another model"}[damage]
-    assert expected in line, line
-    assert _digest(folder) == before
+        elif damage == "no manifest":  # a save that never finished, or a DCP folder from elsewhere
+            (folder / "checkpoint.json").unlink()
+        elif damage == "manifest is a folder":
+            (folder / "checkpoint.json").unlink()
+            (folder / "checkpoint.json").mkdir()
+        else:
+            (folder / ".metadata").unlink()
+            (folder / ".metadata").mkdir()
+    before = _digest(folder) if folder.is_dir() else None
+    line = refusal(["--resume", folder], tmp_path, monkeypatch, capsys)
+    expected = {"missing": "__1_0.distcp is missing", "truncated": "__1_0.distcp is 1,000 bytes, not the 876,445",
+                "overwritten": "__1_0.distcp is not the file that was saved",
+                "other model": "a checkpoint of another model",
+                "no manifest": "has no checkpoint.json, so it is not a finished checkpoint",
+                "manifest is a folder": "its checkpoint.json cannot be read (Is a directory)",
+                "metadata is a folder": ".metadata is missing", "a file": "is not a folder"}[damage]
+    assert expected in line and f"--resume {folder}" in line, line
+    if before is not None:
+        assert _digest(folder) == before
 
 
 def test_bad_checkpoint_from_the_command_line_has_no_traceback(runs, tmp_path):
     folder = tmp_path / "ckpt"
     shutil.copytree(runs["ckpt"], folder)
     (folder / "__0_0.distcp").unlink()
-    proc = run_lesson("16", "--resume", folder, check=False, timeout=60)
+    proc = run_lesson("16", "--resume", folder, "--checkpoint", tmp_path / "new", "--out", tmp_path / "out",
+                      check=False, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("error: ") and "__0_0.distcp is missing" in proc.stderr
+
+
+def test_unreadable_resume_folder_is_one_line(runs, tmp_path, monkeypatch, capsys):
+    """chmod 000: a PermissionError traceback before. Root reads it anyway (the tests may run
+    as root), so there the files of the folder answer stat() as they would anyone else."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], folder)
+    folder.chmod(0)
+    if os.geteuid() == 0:
+        real_stat = Path.stat
+
+        def stat(self, **kwargs):
+            if self.parent == folder:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_stat(self, **kwargs)
+
+        monkeypatch.setattr(Path, "stat", stat)
+    try:
+        line = refusal(["--resume", folder], tmp_path, monkeypatch, capsys)
+    finally:
+        folder.chmod(0o755)
+    assert f"--resume {folder} cannot be read (Permission denied: checkpoint.json)" in line, line
+
+
+def test_resume_after_the_stop_step_is_refused_before_any_rank(runs, tmp_path, monkeypatch, capsys):
+    line = refusal(["--resume", runs["ckpt"], "--stop-at-step", 2], tmp_path, monkeypatch, capsys)
+    assert f"was saved after step {STOP}, so --stop-at-step 2 has passed already" in line, line
+    line = refusal(["--resume", runs["ckpt"], "--steps", STOP], tmp_path, monkeypatch, capsys)
+    assert f"was saved after step {STOP}; pass --steps above {STOP}" in line, line
 
 
 def test_stop_at_step_must_come_before_the_end(monkeypatch, capsys):
