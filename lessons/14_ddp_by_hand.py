@@ -82,7 +82,7 @@ class HandDDP(torch.nn.Module):
         assert len(self.pending) == len(self.buckets), "a parameter got no gradient this step"
         for bucket, flat, work in self.pending:
             work.wait()
-            flat.div_(self.world)  # a SUM, then divide: gloo has no ReduceOp.AVG
+            flat.div_(self.world)  # a SUM, then divide (ReduceOp.AVG works too, gloo included)
             for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
                 p.grad.copy_(g.view_as(p))
         self.missing, self.pending = [len(b) for b in self.buckets], []

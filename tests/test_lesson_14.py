@@ -206,3 +206,21 @@ def test_comm_log_formulas_and_overlap_arithmetic():
     busy = comm._union([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)])
     assert busy == [(0.0, 3.0), (5.0, 6.0)]
     assert comm._intersection(busy, [(2.0, 5.5)]) == pytest.approx(1.5)
+
+
+def _average_with_avg(rank: int, world: int) -> list[float]:
+    import torch.distributed as dist
+    t = torch.tensor([float(rank), 10.0 * rank])
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    return t.tolist()
+
+
+def test_gloo_has_reduce_op_avg_and_no_page_says_otherwise():
+    """The lesson once said "gloo has no ReduceOp.AVG" (issue 23): on torch 2.14.1 a gloo
+    all-reduce with AVG averages, as FSDP2 relies on there."""
+    from apparatus.ranks import run_ranks
+    got = run_ranks(_average_with_avg, 3)
+    assert got == [[1.0, 10.0]] * 3
+    pages = [*(ROOT / "lessons").rglob("*.py"), *(ROOT / "docs").rglob("*.md")]
+    wrong = [p.name for p in pages if re.search(r"gloo (has no|没有) `?ReduceOp\.AVG", p.read_text())]
+    assert not wrong, f"still claims gloo has no ReduceOp.AVG: {wrong}"
