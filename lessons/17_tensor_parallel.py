@@ -30,7 +30,7 @@ from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
-from apparatus.results import make_metrics, out_dir, save_results, shown
+from apparatus.results import claim_out, make_metrics, out_dir, save_results, shown
 from apparatus.ui import UI, Timer
 
 
@@ -103,6 +103,7 @@ def parallelize_dtensor(model, rank, world, sp):
 
 def main() -> None:
     args = parse_args()
+    claim_out(out_dir("17", args.out))  # checked now, not after training; ours alone
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
     spawn(worker, (args.world_size, args, *plan_device(args.device, args.world_size)), args.world_size)
 

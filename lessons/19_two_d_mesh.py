@@ -37,7 +37,7 @@ from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, pick_device, plan_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
-from apparatus.results import make_metrics, out_dir, save_results, shown
+from apparatus.results import claim_out, make_metrics, out_dir, save_results, shown
 from apparatus.ui import UI, Timer
 
 
@@ -60,6 +60,7 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
+    claim_out(out_dir("19", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     if args.plan is not None:  # the planner alone: formulas, no processes (lessons/19_two_d_mesh/planner.py)
         return planner.show_plan(ui, args)

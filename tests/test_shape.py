@@ -49,7 +49,7 @@ def test_lesson_has_at_most_200_code_lines(lesson):
     assert n <= 200, f"{lesson.name} has {n} code lines; move what is not the idea out of it"
 
 
-ADDED_AT_MOST = 130  # lines a lesson adds to its parent: about one screen of `make diff`
+ADDED_AT_MOST = 135  # lines a lesson adds to its parent: about one screen of `make diff`
 
 
 @pytest.mark.parametrize("lesson", [p for p in LESSONS if parent_of(p)], ids=lambda p: p.stem)
