@@ -53,13 +53,13 @@ def parse_args():
                         help="seed for the initial weights and the batches")
     parser.add_argument("--strategy", choices=("fsdp",), default="fsdp", help="FSDP2 (ZeRO-3); lesson 15 has the others")
     parser.add_argument("--stop-at-step", type=positive_int, help="save after this step, and exit")
-    parser.add_argument("--checkpoint", type=Path, default=out_dir("16", None) / "checkpoint", help="DCP checkpoint folder (default: runs/lesson-16/checkpoint)")
+    parser.add_argument("--checkpoint", type=Path, help="DCP checkpoint folder (default: checkpoint/ in --out, so runs/lesson-16/checkpoint)")
     parser.add_argument("--resume", type=Path, help="a DCP checkpoint folder to continue from")
     parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
                         action="store_false", help="fsdp: keep gathered weights until backward")
     args = parser.parse_args()
     T.check_world_size(args.world_size, "--world-size")  # before any rank starts
-    return checkpointing.check(args)  # --stop-at-step before --steps, also before
+    return checkpointing.check(args)  # --stop-at-step before --steps, also before; --checkpoint's default
 
 
 def checkpoint_state(model, optimizer, step: int) -> dict:  # my shards (DTensors), and the step

@@ -185,6 +185,24 @@ def test_a_failed_save_leaves_the_earlier_checkpoint_and_no_temporary(runs, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_a_kill_between_the_two_renames_is_undone_at_the_next_start(runs, tmp_path):
+    """Killed after the earlier checkpoint was moved aside and before the new one came in:
+    the next job that claims the folder puts the earlier one back and removes the rest."""
+    checkpointing = import_lesson("16").checkpointing
+    shutil.copytree(runs["ckpt"], tmp_path / "ckpt.old")
+    (tmp_path / "ckpt.saving").mkdir()
+    (tmp_path / "ckpt.saving" / "__0_0.distcp").write_bytes(b"cut short")
+    checkpointing.claim_folder(tmp_path / "ckpt", "--checkpoint")
+    assert _bytes(tmp_path / "ckpt") == runs["saved"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.lock", "ckpt"]
+
+
+def test_checkpoint_goes_into_out_unless_named(tmp_path, monkeypatch):
+    lesson = import_lesson("16")
+    monkeypatch.setattr(sys, "argv", ["16", "--out", str(tmp_path)])
+    assert lesson.parse_args().checkpoint == tmp_path / "checkpoint"  # two --out, two checkpoints
+
+
 # --- item 1: a crafted .metadata runs no code --------------------------------------------------
 
 class _Eval:

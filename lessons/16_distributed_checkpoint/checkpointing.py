@@ -426,9 +426,14 @@ def full_state_bytes(n_params: int) -> int:
 
 
 def check(args):
-    """Lesson 16's flags, checked in the launcher before anything is read or written."""
+    """Lesson 16's flags, checked in the launcher before anything is read or written; the
+    checkpoint goes into --out's folder unless --checkpoint says otherwise."""
+    from apparatus.results import out_dir
+
     if args.stop_at_step and args.stop_at_step >= args.steps:
         fail(f"--stop-at-step {args.stop_at_step} must come before the last step (--steps {args.steps})")
+    if args.checkpoint is None:
+        args.checkpoint = out_dir("16", args.out) / "checkpoint"
     return args
 
 
