@@ -205,11 +205,14 @@ def shard(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return rows[rank * n:(rank + 1) * n]
 
 
-def check_world_size(n: int, named: str, most: int = 8, divides: dict[str, int] | None = None) -> None:
-    """The one world-size rule of Part 2: n ranks split the GLOBAL_BATCH rows into equal
-    shares (at most `most` ranks on one machine); `divides` adds what else n must split,
-    e.g. {"attention heads": N_HEADS} for tensor parallel. One line and exit 2 otherwise."""
-    needs = {f"global batch of {GLOBAL_BATCH} rows": GLOBAL_BATCH, **(divides or {})}
+def check_world_size(n: int, named: str, most: int = 8, divides: dict[str, int] | None = None,
+                     splits_batch: bool = True) -> None:
+    """The one world-size rule of Part 2: at most `most` ranks on one machine, and n splits
+    what the ranks share out: the GLOBAL_BATCH rows (data parallel; splits_batch=False where
+    every rank sees every row, as in tensor, pipeline and context parallel) and whatever
+    `divides` names, e.g. {"4 attention heads": N_HEADS}. One line and exit 2 otherwise."""
+    needs = {**({f"global batch of {GLOBAL_BATCH} rows": GLOBAL_BATCH} if splits_batch else {}),
+             **(divides or {})}
     if n < 1 or n > most or any(size % n for size in needs.values()):
         ok = [str(d) for d in range(1, most + 1) if all(size % d == 0 for size in needs.values())]
         fail(f"{named} must divide the {' and the '.join(needs)} and be at most {most} "

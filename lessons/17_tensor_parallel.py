@@ -43,7 +43,7 @@ def parse_args():
     parser.add_argument("--impl", choices=["manual", "dtensor"], default="manual", help="split the layers by hand (Megatron-LM) or DTensor")
     parser.add_argument("--sequence-parallel", action="store_true", help="also split norms and residuals along the sequence")
     args = parser.parse_args()
-    T.check_world_size(args.world_size, "--world-size", divides={f"{T.N_HEADS} attention heads": T.N_HEADS, f"{T.SEQ} tokens": T.SEQ})
+    T.check_world_size(args.world_size, "--world-size", divides={f"{T.N_HEADS} attention heads": T.N_HEADS, f"{T.SEQ} tokens": T.SEQ}, splits_batch=False)
     return args
 
 

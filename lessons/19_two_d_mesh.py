@@ -54,7 +54,7 @@ def parse_args():
     if args.plan is None:  # before any rank starts: Part 2's one rule, for each dimension
         T.check_world_size(args.dp, "--dp")  # dp splits the batch's rows
         T.check_world_size(args.tp, f"--tp (with --dp {args.dp})", most=8 // args.dp,  # dp x tp ranks
-                           divides={f"{T.N_HEADS} attention heads": T.N_HEADS})
+                           divides={f"{T.N_HEADS} attention heads": T.N_HEADS}, splits_batch=False)
     return planner.check_flags(args)  # --plan's numbers; world_size = dp x tp
 
 

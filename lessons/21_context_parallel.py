@@ -47,7 +47,7 @@ def parse_args():
     parser.add_argument("--layout", choices=LAYOUTS, default="contiguous",
                         help="which 2 of the 2N chunks of a sequence each rank holds while training")
     args = parser.parse_args()  # each rank holds 2 chunks of S/2N tokens: N divides S/2
-    T.check_world_size(args.world_size, "--world-size", divides={f"{T.SEQ // 2} tokens of half a sequence": T.SEQ // 2})
+    T.check_world_size(args.world_size, "--world-size", divides={f"{T.SEQ // 2} tokens of half a sequence": T.SEQ // 2}, splits_batch=False)
     return args
 
 

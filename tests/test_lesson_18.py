@@ -194,8 +194,7 @@ def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
     for flags, expect in ((["--schedule", "dualpipe"], "--schedule"), (["--microbatches", "0"], "--microbatches"),
                           (["--world-size", "0"], "--world-size")):
         assert expect in parse_error(module, flags, monkeypatch, capsys)
-    for flags, expect in ((["--world-size", "3"], "--world-size 3 must divide the global batch of 48 rows "
-                           "and the 4 pieces of the model (embeddings, 2 blocks, head) and be at most 8 "
+    for flags, expect in ((["--world-size", "3"], "--world-size 3 must divide the 4 pieces of the model (embeddings, 2 blocks, head) and be at most 8 "
                            "on one machine: use one of 1, 2, 4"),
                           (["--world-size", "8"], "use one of 1, 2, 4"),
                           (["--microbatches", "5"], "--microbatches must divide the 48 rows"),

@@ -197,14 +197,15 @@ def metrics_of(runs: dict, schedule: str, world: int, microbatches: int) -> dict
 
 def check_flags(world: int, microbatches: int, global_batch: int) -> None:
     """common.cli.fail with one line when the flags do not fit. The world size follows Part 2's
-    one rule (common/transformer.py: it splits the batch's rows), plus the pipeline's own: it
-    must split the model's pieces too, so that every rank gets at least one. Then flag_error."""
+    one rule (common/transformer.py), where it is the pipeline's own: it must split the
+    model's pieces, so that every rank gets at least one. Then flag_error."""
     from common import transformer as T
     from common.cli import fail
 
     pieces = T.N_BLOCKS + 2  # embeddings, the blocks, final norm + head
     T.check_world_size(world, f"--world-size {world}",
-                       divides={f"{pieces} pieces of the model (embeddings, {T.N_BLOCKS} blocks, head)": pieces})
+                       divides={f"{pieces} pieces of the model (embeddings, {T.N_BLOCKS} blocks, head)": pieces},
+                       splits_batch=False)  # every stage sees every row, one micro-batch at a time
     if problem := flag_error(world, microbatches, global_batch):
         fail(problem)
 
