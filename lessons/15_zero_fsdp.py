@@ -133,7 +133,7 @@ def worker(rank: int, world: int, args, kind: str) -> None:
             fully_shard(module, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
         sharding.show_shards(ui, model)
     train_model = model  # what the batches go through; DDP's gradients live in its buckets
-    if args.strategy in ("ddp", "zero1-torch"):  # (route...: so that CommLog sees them)
+    if args.strategy in ("ddp", "zero1-torch"):  # (route...: a Python frame per bucket)
         train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                           gradient_as_bucket_view=True)
         route_ddp_through_python(train_model)

@@ -13,8 +13,8 @@ live here, in one function, `measure()`, and `compare()` prints them side by sid
     step_every_micro_batch     optimizer.step() after every micro-batch, synced or not
 
 DDP's all-reduces are counted by apparatus/comm.py (counted_ddp + CommLog, the one counter of
-the package): PyTorch's own allreduce_hook routes DDP's buckets through dist.all_reduce,
-where CommLog sees them. Only backward() is recorded, so the lesson's own collectives (the
+the package): CommLog watches the dispatcher, so it sees DDP's buckets, and counted_ddp's
+allreduce_hook gives each one a Python frame. Only backward() is recorded, so the lesson's own collectives (the
 loss for the log, the all_gather that compares ranks) are never counted.
 """
 from __future__ import annotations

@@ -38,7 +38,7 @@ def _rank_08(rank: int, world: int, path: str, accums: tuple, steps: int) -> lis
             batches += [(x_all[mine[m * micro:(m + 1) * micro]],
                          y_all[mine[m * micro:(m + 1) * micro]]) for m in range(accum)]
         model = recipe.make_model(recipe.SEED)
-        ddp_model = counted_ddp(model)  # its buckets go through dist.all_reduce: CommLog sees them
+        ddp_model = counted_ddp(model)  # lesson 08's DDP; CommLog sees its buckets
         optimizer = recipe.make_optimizer(ddp_model)
         stepped = [0]
         optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, stepped[0] + 1))
