@@ -254,8 +254,14 @@ def _start_fork_server_deaf_to_ctrl_c() -> None:
     preloads are imported, so one typed during its first seconds printed a KeyboardInterrupt
     traceback after our one line. This process stops the ranks itself (supervise); each
     rank takes Python's usual SIGINT handler back (_rank_main)."""
+    import tempfile
     from multiprocessing import forkserver
 
+    # Its socket lives in $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, and a Unix socket's path
+    # has at most 107 bytes: under a deep $TMPDIR, Python 3.11 failed with "AF_UNIX path too
+    # long". Then this process's temporary files go to /tmp (removed at exit, as always).
+    if len(os.fsencode(tempfile.gettempdir())) > 70 and os.path.isdir("/tmp"):
+        tempfile.tempdir = "/tmp"
     try:
         old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the new server
     except ValueError:  # not the main thread: leave it as it is
