@@ -48,8 +48,12 @@ class Terminal:
                 except OSError:  # the lesson closed the terminal (exited)
                     chunk = ""
                 self.text += re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", chunk)  # drop colour codes
-        self.proc.kill()
-        raise AssertionError(f"did not see {pattern!r} within {timeout}s; got:\n{self.text[-3000:]}")
+                if not chunk and self.proc.poll() is not None:
+                    break  # it has ended and said all it will: no use waiting any longer
+        if self.proc.poll() is None:
+            self.proc.kill()
+        raise AssertionError(f"did not see {pattern!r} within {timeout}s (exit code "
+                             f"{self.proc.poll()}); got:\n{self.text[-3000:]}")
 
     def type(self, text: str) -> None:
         os.write(self.master, text.encode())
