@@ -72,23 +72,34 @@ def claim_out(folder: Path) -> Path:
     key = str(folder.resolve())
     if key in _held or os.environ.get(LOCK_ENV) == key:
         return folder  # ours already, or held for us by the launcher that started us
-    path = folder / LOCK_NAME
+    _held[key] = hold_lock(folder / LOCK_NAME, f"--out {folder}")
+    os.environ[LOCK_ENV] = key  # the ranks this job starts write here too: held for them
+    return folder
+
+
+def hold_lock(path: Path, what: str) -> int:
+    """Lock the file `path` for as long as this process lives (its fd, kept open), or one
+    line naming the job that holds it: `what` is the flag and value the learner passed."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
-        fail(f"--out {folder}: cannot create {path.name} ({exc.strerror}); pass a folder you can write to")
+        fail(f"{what}: cannot create {Path(path).name} ({exc.strerror}); pass a folder you can write to")
+    return hold_fd(fd, what)
+
+
+def hold_fd(fd: int, what: str) -> int:
+    """hold_lock for a lock file you opened yourself."""
+    flag = what.split()[0]
     try:
         _lock(fd)
     except OSError:
         owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        fail(f"--out {folder} is in use by another job (pid {owner}); wait for it to finish, "
-             f"or pass another --out")
+        fail(f"{what} is in use by another job (pid {owner}); wait for it to finish, "
+             f"or pass another {flag}")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held[key] = fd
-    os.environ[LOCK_ENV] = key  # the ranks this job starts write here too: held for them
-    return folder
+    return fd
 
 
 def _lock(fd: int) -> None:

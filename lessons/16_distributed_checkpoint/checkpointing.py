@@ -317,24 +317,13 @@ def tidy(*folders: Path) -> None:
 def _lock(folder: Path, flag: str) -> None:
     """Hold `.<name>.lock` beside the folder until this process ends (flock: the kernel lets
     go however the process dies). Beside, not inside: the folder itself is replaced."""
-    from apparatus.results import _lock as lock_fd  # flock, or msvcrt on Windows
+    from apparatus.results import hold_fd  # flock, or msvcrt on Windows
 
     folder = Path(os.path.abspath(folder))
     key = str(folder.resolve())
-    if key in _held:
-        return
-    path = folder.with_name(f".{folder.name}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        lock_fd(fd)
-    except OSError:
-        owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        fail(f"{flag} {folder} is in use by another job (pid {owner}); wait for it to finish, "
-             f"or pass another {flag}")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held[key] = fd
+    if key not in _held:  # (an OSError of open: claim_folder says it cannot be written)
+        fd = os.open(folder.with_name(f".{folder.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        _held[key] = hold_fd(fd, f"{flag} {folder}")
 
 
 def claim_folder(folder: Path, flag: str) -> None:
