@@ -138,7 +138,9 @@ def test_plan_table_for_a_7b_model(monkeypatch, capsys):
 @pytest.mark.parametrize("flags,words", [  # Part 2's one rule (common/transformer.py), per dimension
     (["--dp", "5", "--tp", "1"], "--dp must divide the global batch of 48 rows"),
     (["--tp", "3"], "4 attention heads"), (["--dp", "4", "--tp", "4"], "at most 2 on one machine: use one of 1, 2"),
-    (["--plan", "-1"], "positive"), (["--plan", "7e9", "--gpus", "12"], "whole number of nodes")])
+    (["--plan", "-1"], "positive"), (["--plan", "7e9", "--gpus", "12"], "whole number of nodes"),
+    (["--plan", "nan"], "positive finite"), (["--plan", "inf"], "positive finite"),
+    (["--plan", "7e9", "--gpu-gb", "inf"], "positive finite"), (["--plan", "7e9", "--gpu-gb", "nan"], "positive finite")])
 def test_bad_flags_one_line(flags, words, monkeypatch, capsys):
     line = parse_error(import_lesson("19"), flags, monkeypatch, capsys)
     assert words in line, line

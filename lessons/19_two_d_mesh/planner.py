@@ -186,8 +186,9 @@ def check_plan_flags(args) -> str | None:
     for flag in ("gpus", "gpus_per_node", "layers", "hidden", "seq_len", "micro_batch", "microbatches"):
         if getattr(args, flag) < 1:
             return f"--{flag.replace('_', '-')} must be at least 1"
-    if args.plan <= 0 or args.gpu_gb <= 0:
-        return "--plan and --gpu-gb must be positive, e.g. --plan 7e9 --gpus 8 --gpu-gb 80"
+    if not (0 < args.plan < 1e15 and 0 < args.gpu_gb < 1e6):  # nan and inf fail here too
+        return ("--plan and --gpu-gb must be positive finite numbers (at most 1e15 parameters, "
+                "1e6 GB), e.g. --plan 7e9 --gpus 8 --gpu-gb 80")
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         return f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}"
     return None
