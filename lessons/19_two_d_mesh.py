@@ -32,6 +32,7 @@ from torch.distributed.tensor import Replicate, parallel as tp
 
 from apparatus.comm import CommLog
 from apparatus import sharding
+import mesh_checks
 import planner
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
@@ -55,7 +56,7 @@ def parse_args():
         T.check_world_size(args.dp, "--dp")  # dp splits the batch's rows
         T.check_world_size(args.tp, f"--tp (with --dp {args.dp})", most=8 // args.dp,  # dp x tp ranks
                            divides={f"{T.N_HEADS} attention heads": T.N_HEADS}, splits_batch=False)
-    return planner.check_flags(args)  # --plan's numbers; world_size = dp x tp
+    return mesh_checks.check_flags(args)  # --plan's numbers; world_size = dp x tp
 
 
 def main() -> None:
@@ -69,7 +70,7 @@ def main() -> None:
     # Step 1: Start dp x tp ranks, one device each
     ui.step(1, "Start dp x tp ranks, one device each")
     kind, note = plan_device(args.device, args.world_size)  # as lesson 05: a GPU per rank, or CPUs
-    ui.print(planner.device_note(note) or f"{args.world_size} ranks, one GPU each")
+    ui.print(mesh_checks.device_note(note) or f"{args.world_size} ranks, one GPU each")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)),
                       PYTHONWARNINGS="ignore:FSDP2-wrapped module")  # our logits are a view
     spawn(worker, args=(args.world_size, args, kind), nprocs=args.world_size)
@@ -104,7 +105,7 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     ui.step(3, "Build the mesh, split each block across tp, shard across dp")
     model = T.make_model(args.seed).to(device)
     mesh = dist.init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
-    planner.show_mesh(ui, mesh)
+    mesh_checks.show_mesh(ui, mesh)
     plan = {f"blocks.*.{name}": tp.ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
     plan |= {f"blocks.*.{name}": tp.RowwiseParallel() for name in ("attn.proj", "mlp.proj")}
     # q, k, v share one input: one DTensor at the attention, so backward all-reduces it once
@@ -165,8 +166,8 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     # dimension whose group carried them. Both beside the planner's formulas (--plan).
     ui.step(6, "Count the bytes each rank holds and each dimension sends")
     held = sharding.held_bytes(model, optimizer)  # mine, from my local shards, padding included
-    per_rank = planner.check_memory(ui, held, args.dp, args.tp)  # every rank's, beside the formula
-    comm = planner.report_dims(ui, log, mesh, args.steps)  # tp: activations, dp: weights
+    per_rank = mesh_checks.check_memory(ui, held, args.dp, args.tp)  # every rank's, beside the formula
+    comm = mesh_checks.report_dims(ui, log, mesh, args.steps)  # tp: activations, dp: weights
 
     # Step 7: Compare with lesson 13, save the results
     # final_state is the full state dict gathered to rank 0's CPU: a plain model loads it.
@@ -185,7 +186,7 @@ def worker(rank: int, world: int, args, kind: str) -> None:
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
         loss_floor=floor, max_abs_diff_vs_single_device=diff, chunked_floor=gap,
-        **planner.metrics(comm, per_rank)))
+        **mesh_checks.metrics(comm, per_rank)))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
     teardown()
