@@ -58,11 +58,12 @@ def parse_args():
     return args
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(sharded.DropIn):
     """ZeRO-1 by hand, with ZeroRedundancyOptimizer's constructor. Whole parameters are dealt
     to the ranks (biggest first, to the least loaded), so any optimizer class sees whole
     tensors, and each rank's optimizer_class holds the state of its own parameters only.
-    step() reduce-scatters the gradients, steps this rank's parameters and all-gathers them."""
+    step() reduce-scatters the gradients, steps this rank's parameters and all-gathers them.
+    (DropIn: a scheduler's lr reaches the inner optimizer, state_dict() gathers every rank's.)"""
 
     def __init__(self, params, optimizer_class, **defaults):
         super().__init__(list({id(p): p for p in params}.values()), defaults)  # tied: once
@@ -72,10 +73,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             load[owner] += p.numel()
         # collectives want equal pieces: every rank's row is padded to the biggest shard
         self.size, self.device = max(load), self.param_groups[0]["params"][0].device
-        self.optim = optimizer_class(self.shards[dist.get_rank()], **defaults)
+        self.adopt(optimizer_class([{"params": self.shards[dist.get_rank()]}], **defaults))  # may be []
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None):
+        loss = self.run(closure)  # with gradients on, as torch's optimizers run it
         rows = torch.stack([sharded.flat_row(s, self.size, self.device, grad=True) for s in self.shards])
         mine, row = self.shards[dist.get_rank()], rows.new_empty(self.size)
         dist.reduce_scatter_single(row, rows.view(-1))  # row `rank` of every rank, summed
@@ -84,6 +86,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optim.step()
         dist.all_gather_single(rows.view(-1), sharded.flat_row(mine, self.size, self.device))
         sharded.unflatten(rows, self.shards)  # every rank's updated parameters, to every rank
+        return loss
 
 
 def main() -> None:

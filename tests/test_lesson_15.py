@@ -113,7 +113,9 @@ def test_communication_is_counted_and_matches_the_ring_formulas(runs):
 
 
 def _sharded_vs_one_process(rank, world, make_model, optimizer_class, defaults, steps):
-    """ShardedOptimizer on `world` ranks against optimizer_class in one process."""
+    """ShardedOptimizer on `world` ranks against optimizer_class in one process, both under an
+    LR scheduler, ShardedOptimizer stepped with a closure; then its state_dict against the
+    plain optimizer's, and loaded back into a fresh ShardedOptimizer and a plain optimizer."""
     import torch.distributed as dist
 
     lesson = import_lesson("15")
@@ -122,21 +124,43 @@ def _sharded_vs_one_process(rank, world, make_model, optimizer_class, defaults, 
     single.load_state_dict(model.state_dict())
     sharded = lesson.ShardedOptimizer(model.parameters(), optimizer_class, **defaults)
     plain = optimizer_class(single.parameters(), **defaults)
-    g = torch.Generator().manual_seed(1)
+    # halving the lr every step: if it never reached the inner optimizer, the weights part
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (sharded, plain)]
+    g, used, expected_lr = torch.Generator().manual_seed(1), [], []
     for _ in range(steps):
         x = torch.randn(world * 4, 6, generator=g)
-        sharded.zero_grad()
-        model(x[rank * 4:(rank + 1) * 4]).square().mean().backward()
-        sharded.step()
+
+        def closure():
+            sharded.zero_grad()
+            loss = model(x[rank * 4:(rank + 1) * 4]).square().mean()
+            loss.backward()
+            return loss
+        loss = sharded.step(closure)
         plain.zero_grad()
         sum(single(x[r * 4:(r + 1) * 4]).square().mean() for r in range(world)).div(world).backward()
         plain.step()
+        used.append(sharded.optim.param_groups[0]["lr"])  # the lr the inner optimizer stepped with
+        expected_lr.append(plain.param_groups[0]["lr"])
+        for scheduler in schedulers:
+            scheduler.step()
     owned = sum(p.numel() for p in sharded.optim.param_groups[0]["params"])
     total = torch.tensor([owned])
     dist.all_reduce(total)
+    full, expected = sharded.state_dict(), plain.state_dict()  # a collective: every rank's
+    fresh = lesson.ShardedOptimizer(model.parameters(), optimizer_class, **defaults)
+    fresh.load_state_dict(expected)  # one process's state: each rank keeps its part
+    optimizer_class(single.parameters(), **defaults).load_state_dict(full)  # and the other way
+
+    def state_diff(a, b):
+        assert set(a) == set(b), (set(a), set(b))
+        return max([(x[k] - y[k]).abs().max().item() for i in a for x, y in [(a[i], b[i])]
+                    for k in x if torch.is_tensor(x[k])], default=0.0)
     return {"diff": max((a - b).abs().max().item() for a, b in
                         zip(model.state_dict().values(), single.state_dict().values())),
-            "owned": owned, "total_owned": int(total), "unique": sum(p.numel() for p in model.parameters())}
+            "owned": owned, "total_owned": int(total), "unique": sum(p.numel() for p in model.parameters()),
+            "loss": isinstance(loss, torch.Tensor), "lr": used, "expected_lr": expected_lr, "state_diff": state_diff(full["state"], expected["state"]),
+            "loaded_diff": state_diff(fresh.state_dict()["state"], expected["state"]),
+            "loaded_lr": fresh.param_groups[0]["lr"] == plain.param_groups[0]["lr"], "groups": full["param_groups"] == expected["param_groups"]}
 
 
 class Tied(torch.nn.Module):
@@ -153,22 +177,30 @@ class Tied(torch.nn.Module):
         return self.b(torch.tanh(self.frozen(self.a(x))))
 
 
-def _both_optimizers(rank, world, make_model, steps):
-    """AdamW and SGD with momentum, in one world of ranks (starting ranks is the slow part)."""
+def _three_optimizers(rank, world, steps):
+    """AdamW and SGD with momentum on Tied, AdamW on one Linear (two parameters: on 3 ranks,
+    one rank owns nothing), in one world of ranks (starting ranks is the slow part)."""
     return [_sharded_vs_one_process(rank, world, make_model, cls, defaults, steps)
-            for cls, defaults in ((torch.optim.AdamW, {"lr": 1e-2}),
-                                  (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}))]
+            for make_model, cls, defaults in ((Tied, torch.optim.AdamW, {"lr": 1e-2}),
+                                              (Tied, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                              (lambda: torch.nn.Linear(6, 6), torch.optim.AdamW, {"lr": 1e-2}))]
 
 
-def test_sharded_optimizer_matches_one_process_with_tied_weights():
+def test_sharded_optimizer_is_a_drop_in_that_matches_one_process():
+    """Tied weights, a scheduler, step(closure), state_dict both ways, a rank with nothing."""
     sys.path.insert(0, str(ROOT / "tools"))
     from check_exercise import run_world
-    ranks = run_world(3, _both_optimizers, (Tied, 4), ROOT / "lessons" / "15_zero_fsdp.py")
+    ranks = run_world(3, _three_optimizers, (4,), ROOT / "lessons" / "15_zero_fsdp.py")
     for results in zip(*ranks):  # per optimizer class: every rank's report
         assert all(r["diff"] < 1e-6 for r in results), results
+        assert all(r["loss"] and r["lr"] == r["expected_lr"] and r["loaded_lr"] for r in results), results
+        assert all(r["state_diff"] < 1e-6 and r["loaded_diff"] < 1e-6 and r["groups"] for r in results), results
+    for results in list(zip(*ranks))[:2]:  # Tied
         # every element's state lives on exactly one rank: the tied weight is counted once
         assert results[0]["total_owned"] == results[0]["unique"] == 3 * 42 + 6  # b.weight is a.weight
         assert all(r["owned"] < r["unique"] for r in results)
+    linear = [r[2] for r in ranks]  # 36 + 6 elements in two tensors, on 3 ranks
+    assert sorted(r["owned"] for r in linear) == [0, 6, 36]
 
 
 def test_prints_its_own_steps_and_not_lesson_13s_demonstrations(runs):

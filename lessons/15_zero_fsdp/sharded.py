@@ -1,8 +1,12 @@
-"""Lesson 15's own helpers: ShardedOptimizer's flat rows, and what each rank sent per step.
+"""Lesson 15's own helpers: ShardedOptimizer's flat rows and drop-in plumbing, what each rank
+sent per step, and the peak of one step.
 
 * flat_row, unflatten, pieces: copy parameters (or their gradients) into one flat row per
   rank and back, so that ShardedOptimizer (lessons/15_zero_fsdp.py) needs one reduce-scatter
   and one all-gather per step; they only move tensors, the idea is in the lesson file.
+* DropIn: what makes ShardedOptimizer, which steps an inner optimizer over this rank's shard,
+  usable where a torch optimizer is: an LR scheduler's lr reaches the inner optimizer,
+  state_dict()/load_state_dict() hold every rank's state, step(closure) runs the closure.
 * FSDPStory: records FSDP2's own debug markers (pre_forward, pre_backward, post_backward,
   per module) so that each collective CommLog saw can be shown under the block it served.
 * report_comm: the bytes this rank sent per step (CommLog) beside the ring formula
@@ -92,6 +96,55 @@ class FSDPStory:
                              f"{c.data_bytes / 1024:,.1f} KiB" for c in issued) or "-"
             out.append([hook, module.strip("()") or "root", what])
         return out
+
+
+class DropIn(torch.optim.Optimizer):
+    """The plumbing of an optimizer that steps an inner one (self.optim: this rank's shard),
+    as torch's ZeroRedundancyOptimizer does (torch/distributed/optim/zero_redundancy_optimizer.py:
+    _sync_param_groups before and after each inner step). One parameter group."""
+
+    def adopt(self, inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """self.optim = inner, sharing its state; the outer group (what a scheduler and the
+        user read and set) takes inner's hyperparameters, and gives them back before each
+        inner step: a scheduler's new lr reaches the optimizer that uses it."""
+        self.optim, self.state = inner, inner.state
+        self.param_groups[0].update(_hyper(inner.param_groups[0]))
+        inner.register_step_pre_hook(lambda *_: inner.param_groups[0].update(_hyper(self.param_groups[0])))
+        return inner
+
+    @staticmethod
+    def run(closure):
+        """step(closure): as torch's optimizers, the closure runs with gradients on."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def state_dict(self) -> dict:
+        """Every rank's state, keyed as one process's optimizer keys it (a plain AdamW loads
+        it). A collective: every rank calls it. The state goes through the CPU."""
+        mine = super().state_dict()  # this rank's entries, under the indices of all parameters
+        cpu = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+               for i, s in mine["state"].items()}
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, cpu)
+        return {"state": dict(sorted(kv for part in everyone for kv in part.items())),
+                "param_groups": mine["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Keep this rank's part of a full state dict (state_dict()'s, or one process's)."""
+        index = {id(p): i for i, p in enumerate(self.param_groups[0]["params"])}
+        mine = [index[id(p)] for p in self.optim.param_groups[0]["params"]]
+        group = {**state_dict["param_groups"][0], "params": list(range(len(mine)))}
+        state = state_dict["state"]
+        self.optim.load_state_dict({"state": {j: state[i] for j, i in enumerate(mine) if i in state},
+                                    "param_groups": [group]})
+        self.param_groups[0].update(_hyper(group))
+        self.state = self.optim.state  # load_state_dict gave the inner optimizer a new dict
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
 def kib(n: float) -> str:
