@@ -2,13 +2,11 @@
 
 Parent: lesson 14 (lessons/14_ddp_by_hand.py)
 
-New since lesson 14: the replicas stop averaging gradients every step. Each takes H inner steps
-(AdamW) on its own rows, alone; then they average their pseudo-gradients (the weights they
-started the round with minus the weights they ended it with) in one all-reduce and step an
-outer optimizer: SGD with lr 1 (LocalSGD: the new weights are the average) or Nesterov momentum
-(DiLoCo). We show that H = 1 with SGD inside is DDP, and what AdamW inside changes; count the
-bytes beside the formula (1/H of DDP's); let one replica drop out for a round and come back;
-and end with the same weights as the N replicas simulated in one process.
+New since lesson 14: no gradient all-reduce every step. Each replica takes H inner steps (AdamW)
+on its own rows, alone; then all average their pseudo-gradients (start weights minus end
+weights) in one all-reduce and step an outer optimizer: SGD lr 1 (LocalSGD: the average) or
+Nesterov (DiLoCo). H = 1 with SGD inside is DDP; bytes are 1/H of DDP's; a replica drops out and
+comes back; the weights equal the N replicas simulated in one process.
 
 Run:
     make lesson-24
@@ -83,19 +81,12 @@ def train(plan, rank, device, group=None, log=None, ui=None, bar=None):
             losses[step] = loss.item()
         if (step + 1) % plan.H == 0:
             with log.recording() if log else contextlib.nullcontext():
-                away = plan.away(rank, step)
-                if plan.drop_at == (step + 1) // plan.H:  # the others average what they have
-                    outer_step(model, outer, outer_optimizer, group) if not away else None
-                    peer = min(set(range(plan.world)) - {plan.drop_rank})
-                    flat = torch.cat([t.flatten() for t in D.outer_state(outer, outer_optimizer)])
-                    if rank == peer:  # to the returning replica: the outer weights and momentum
-                        dist.send(flat, dst=plan.drop_rank)
-                    elif away:
-                        dist.recv(flat, src=peer)
-                        D.load_outer_state(flat, model, outer, outer_optimizer)
-                        optimizer = D.make_inner(model, plan.inner)  # a new process: new AdamW
-                else:
+                if plan.drop_at != (step + 1) // plan.H:
                     outer_step(model, outer, outer_optimizer)
+                else:  # one is away: the others average what they have, then a peer sends
+                    outer_step(model, outer, outer_optimizer, group) if not plan.away(rank, step) else None
+                    if D.come_back(plan, rank, model, outer, outer_optimizer):  # its outer weights
+                        optimizer = D.make_inner(model, plan.inner)  # a new process: a new AdamW
         if bar is not None:
             bar.advance()
         if ui is not None and (step + 1) % log_every == 0:
@@ -169,17 +160,17 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     # Fresh short runs, ours and torch's (DistributedDataParallel; PostLocalSGDOptimizer)
     ui.step(6, "Compare with DDP: H = 1 with SGD inside is DDP; with AdamW inside it is not")
     again = lambda p, log=None: train(p, rank, device, log=log)  # noqa: E731  (a fresh run, no output)
-    short = dataclasses.replace(plan, steps=min(8, args.steps), H=1, outer="sgd", drop_rank=None, drop_at=None)
+    short = dataclasses.replace(plan, steps=min(4, args.steps), H=1, outer="sgd", drop_rank=None, drop_at=None)
     proofs = R.against_torch(short, rank, device, again, ui)
 
     # Step 7: Count the bytes: 1/H of DDP's
     ui.step(7, "Count the bytes: 1/H of DDP's")
     sent = R.bytes_per_sample(log, plan, ui, proofs)
-    sweep = R.sweep(plan, rank, device, again, folder_of(args), ui) if args.sweep else R.no_sweep(ui)
+    sweep = R.sweep(plan, rank, device, again, out_dir("24", args.out), ui) if args.sweep else R.no_sweep(ui)
 
     # Step 8: One replica drops out and comes back: what it cost
     ui.step(8, "One replica drops out and comes back: what it cost")
-    dropout = R.dropout_cost(plan, held_out, log, rank, device, again, ui)
+    dropout = R.dropout_cost(plan, held_out, log, rank, device, again, ui, sweep)
     del model
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
@@ -191,8 +182,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     diff = max((final_state[k].double() - one["state"][k].double()).abs().max().item() for k in final_state)
     ui.print(f"same weights as {world} replicas simulated in one process? max |w - w_sim| = "
              f"[bold]{diff:.1e}[/bold] (allowed 1e-4); losses {max(abs(a - b) for a, b in zip(losses, one['losses'])):.1e} apart")
-    folder = folder_of(args)
-    samples = plan.samples()
+    folder, samples = out_dir("24", args.out), plan.samples()
     save_results(folder, final_state, make_metrics(
         lesson="24", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
@@ -201,10 +191,6 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         dropout=dropout, max_abs_diff_vs_single_process=diff, held_out_loss_single_process=one["held_out"]))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
-
-
-def folder_of(args) -> Path:
-    return out_dir("24", args.out)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,21 @@ def load_outer_state(flat: torch.Tensor, model, outer, outer_optimizer) -> None:
         outer_optimizer.state[o]["momentum_buffer"] = b.view_as(o).clone()
 
 
+def come_back(plan: Plan, rank: int, model, outer, outer_optimizer) -> bool:
+    """After the outer step a replica missed: the lowest rank present sends it the outer weights
+    (and momentum) in one message; True on the replica that came back (it needs a new inner
+    optimizer: a restarted process has no AdamW moments)."""
+    peer = min(set(range(plan.world)) - {plan.drop_rank})
+    flat = torch.cat([t.flatten() for t in outer_state(outer, outer_optimizer)])
+    if rank == peer:
+        dist.send(flat, dst=plan.drop_rank)
+    elif rank == plan.drop_rank:
+        dist.recv(flat, src=peer)
+        load_outer_state(flat, model, outer, outer_optimizer)
+        return True
+    return False
+
+
 def evaluate(model, steps: int, seed: int, device) -> tuple[float, float]:
     """Lesson 14's Step 5: held-out loss and accuracy on the 8 batches after the training ones."""
     held_out, accuracy = 0.0, 0.0

@@ -145,14 +145,18 @@ def save_plot(out: dict, curves: dict, plan: D.Plan, path) -> str:
     return f"wrote {shown(path)}"
 
 
-def dropout_cost(plan: D.Plan, held_out: float, log: CommLog, rank: int, device, run_ours, ui) -> dict | None:
-    """The run again without the drop-out: the held-out loss both ways, the samples lost, and
-    the bytes that brought the replica back."""
+def dropout_cost(plan: D.Plan, held_out: float, log: CommLog, rank: int, device, run_ours, ui,
+                 sweep: dict | None = None) -> dict | None:
+    """The run again without the drop-out (or the sweep's run with the same H): the held-out
+    loss both ways, the samples lost, and the bytes that brought the replica back."""
     if plan.drop_rank is None:
         ui.print("no replica dropped out in this run: try --drop-rank 1 --drop-at 2")
         return None
-    model = run_ours(dataclasses.replace(plan, drop_rank=None, drop_at=None))[0]
-    without, _ = D.evaluate(model, plan.steps, plan.seed, device)
+    if sweep and str(plan.H) in sweep:  # the same run, without the drop-out: Step 7 trained it
+        without = sweep[str(plan.H)]["held_out_loss"]
+    else:
+        without, _ = D.evaluate(run_ours(dataclasses.replace(plan, drop_rank=None, drop_at=None))[0],
+                                plan.steps, plan.seed, device)
     back = _total(sum(c.sent_bytes for c in log.calls if c.kind == "send"))
     lost = plan.steps * T.GLOBAL_BATCH - plan.samples()
     ui.print(f"replica {plan.drop_rank} missed outer step {plan.drop_at}: its {plan.H} inner steps "
