@@ -5,7 +5,7 @@ Parent: lesson 13 (lessons/13_transformer_memory.py)
 New since lesson 13: N ranks hold one model and read the same batch. Each block's heads and
 MLP units are split as in Megatron-LM, joined by the conjugate functions f and g (--impl manual),
 or by a DTensor plan (--impl dtensor). --sequence-parallel also splits the norms along the
-sequence. Measured: each collective (DTensor's own too), the activations, the classic SP mistake.
+sequence. Measured: each collective (DTensor's own too), the activations, two classic mistakes.
 
 Run:
     make lesson-17
@@ -42,7 +42,9 @@ def parse_args():
                         help="seed for the initial weights and the batches")
     parser.add_argument("--impl", choices=["manual", "dtensor"], default="manual", help="split the layers by hand (Megatron-LM) or DTensor")
     parser.add_argument("--sequence-parallel", action="store_true", help="also split norms and residuals along the sequence")
+    parser.add_argument("--use-local-output", action="store_true", help="DTensor's common mistake (Step 6): attention and MLP get plain tensors, q, k, v each sum their input's gradient")
     args = parser.parse_args()
+    parser.error("--use-local-output is a DTensor plan's setting: add --impl dtensor") if args.use_local_output and args.impl != "dtensor" else None
     T.check_world_size(args.world_size, "--world-size", divides={f"{T.N_HEADS} attention heads": T.N_HEADS, f"{T.SEQ} tokens": T.SEQ}, splits_batch=False)
     return args
 
@@ -86,18 +88,19 @@ def parallelize_by_hand(model, rank, world, sp):
     return model
 
 
-def parallelize_dtensor(model, rank, world, sp):
+def parallelize_dtensor(model, rank, world, sp, local_inputs=False):
     """The same as a plan of DTensor placements (Shard(1): split along the sequence; Replicate():
     whole on every rank; PrepareModuleInput: from one to the other). DTensor makes the collectives."""
     mesh = init_device_mesh(next(model.parameters()).device.type, (world,))
-    layouts = lambda a, b: tp.PrepareModuleInput(input_layouts=a, desired_input_layouts=b, use_local_output=True)  # noqa: E731
+    layouts = lambda a, b, local=True: tp.PrepareModuleInput(input_layouts=a, desired_input_layouts=b, use_local_output=local)  # noqa: E731
     plan = {f"blocks.*.{name}": tp.ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
     plan |= {f"blocks.*.{name}": tp.RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
              for name in ("attn.proj", "mlp.proj")}  # reduce-scatter to our slice, or all-reduce
-    if sp:  # norms on our slice of the sequence; attention, MLP and head gather all of it first
-        gather = layouts(Shard(1), Replicate())
+    # f: q, k, v share one DTensor input, summed once in backward (local_inputs: each its own)
+    plan |= {f"blocks.*.{name}": layouts(Shard(1) if sp else Replicate(), Replicate(), local_inputs) for name in ("attn", "mlp")}
+    if sp:  # norms on our slice of the sequence; the head gathers all of it first
         plan |= {"blocks.0": layouts(Replicate(), Shard(1)), "blocks.*.norm*": tp.SequenceParallel(),
-                 "norm": tp.SequenceParallel(), "blocks.*.attn": gather, "blocks.*.mlp": gather, "head": gather}
+                 "norm": tp.SequenceParallel(), "head": layouts(Shard(1), Replicate())}
     return tp.parallelize_module(model, mesh, plan)
 
 
@@ -141,7 +144,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     # Step 3: Split each block across the ranks
     ui.step(3, "Split each block across the ranks")
     model = T.make_model(args.seed).to(device)
-    split_model = parallelize_by_hand if args.impl == "manual" else parallelize_dtensor
+    split_model = parallelize_by_hand if args.impl == "manual" else lambda *a: parallelize_dtensor(*a, args.use_local_output)
     model = split_model(model, rank, world, args.sequence_parallel)  # all of it built (same seed): keep our share
     optimizer = T.make_optimizer(model)
     n_params = sum(p.numel() for p in T.make_model(args.seed).parameters())  # the whole model
@@ -150,13 +153,14 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
 
     # Step 4: Train the split model, recording every collective
     # The same loop as lesson 01, with a new batch every step instead of epochs.
-    # Every rank reads the whole batch. CommLog (apparatus/comm.py) records every collective.
+    # Every rank reads the whole batch. CommLog (apparatus/comm.py) records each collective.
     ui.step(4, "Train the split model, recording every collective")
     losses: list[float] = []
     timer = Timer()
     log_every = max(1, args.steps // 5)
-    with ui.progress(args.steps, "training") as bar, CommLog(modules=True).recording() as log:
-        for step in range(args.steps):
+    log, logged = CommLog(modules=True), range(log_every - 1, args.steps, log_every)  # the printed steps
+    with ui.progress(args.steps, "training") as bar:
+        for step in A.recorded(range(args.steps), log, logged):  # CommLog slows every op: only these
             x, y = T.batch(step, args.seed)
             x, y = x.to(device), y.to(device)
             loss = T.loss_fn(model(x), y)
@@ -190,7 +194,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
 
     # Step 6: Count the collectives of one training step
     ui.step(6, "Count the collectives of one training step")
-    counts = A.report(log, args.steps, model, ui)  # forward, backward, after it (by hand), AdamW's step
+    counts = A.report(log, len(logged), model, ui)  # forward, backward, after it (by hand), AdamW's step
 
     # Step 7: Measure what sequence parallel saves
     ui.step(7, "Measure what sequence parallel saves")

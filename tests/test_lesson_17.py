@@ -1,8 +1,9 @@
 """Lesson 17: tensor and sequence parallel. One 2-rank run of the lesson through its real launcher
-(by hand, sequence parallel) feeds the end-to-end assertions; the lesson's own functions are also
-run on worlds of 1, 2 and 4 ranks (all four variants in each world, one world of 4 in all) for a
-few steps, against lesson 13's reference, with every collective of those steps counted by
-apparatus/comm.py (DTensor's own, and AdamW's step, included)."""
+(DTensor, sequence parallel: its own collectives, AdamW's step's among them) feeds the end-to-end
+assertions on metrics.json; the lesson's own functions are also run on worlds of 1, 2 and 4 ranks
+(all four variants in each world, and DTensor's use_local_output mistake on 2) for a few steps,
+against lesson 13's reference, with every collective of every step counted by apparatus/comm.py
+(DTensor's own, and AdamW's step, included)."""
 import math
 import re
 import sys
@@ -16,15 +17,23 @@ from conftest import ROOT, import_lesson, lesson_path, load_run, max_abs_diff, p
 sys.path.insert(0, str(ROOT / "tools"))
 from check_exercise import run_world  # noqa: E402  (the harness's way to start N ranks)
 
-WORLD, STEPS, FEW = 2, 20, 4
-VARIANTS = [("manual", False), ("manual", True), ("dtensor", False), ("dtensor", True)]
+WORLD, STEPS, FEW = 2, 10, 2
+VARIANTS = [("manual", False, False), ("manual", True, False), ("dtensor", False, False), ("dtensor", True, False)]
+MISTAKES = [("dtensor", False, True), ("dtensor", True, True)]  # use_local_output=True: on 2 ranks
 ACTIVATION = T.GLOBAL_BATCH * T.SEQ * T.DIM * 4  # bytes of one (B, T, D) float32 tensor
+NORMS = 2 * (2 * T.N_BLOCKS + 1)  # weight and bias of 2 LayerNorms per block and the last one
+SMALL = 4 * T.DIM  # bytes of one of them
+
+
+def ring(world: int, kind: str) -> float:
+    """The share of S one rank sends (lesson 10's ring; apparatus/comm.py's SHARE)."""
+    return (2 if kind == "all_reduce" else 1) * (world - 1) / world
 
 
 @pytest.fixture(scope="module")
 def lesson(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lesson17")
-    proc = run_lesson("17", "--world-size", WORLD, "--impl", "manual", "--sequence-parallel",
+    proc = run_lesson("17", "--world-size", WORLD, "--impl", "dtensor", "--sequence-parallel",
                       "--steps", STEPS, "--device", "cpu", "--out", folder, timeout=300)
     state, metrics = load_run(folder)
     return proc.stdout, state, metrics
@@ -38,7 +47,7 @@ def test_ends_with_lesson_13s_weights_beside_the_floor(lesson):
     assert diff <= 1e-3, diff
     assert f"max |w - w_13| = {diff:.1e} (floor {floor:.1e})" in out
     assert metrics["max_abs_diff_vs_single_device"] == pytest.approx(diff, abs=1e-12)
-    assert (metrics["impl"], metrics["sequence_parallel"], metrics["world_size"]) == ("manual", True, 2)
+    assert (metrics["impl"], metrics["sequence_parallel"], metrics["world_size"]) == ("dtensor", True, 2)
     plain = T.make_model()
     plain.load_state_dict(state)  # the gathered shards carry lesson 13's names and shapes
     # every rank computes the whole batch's loss: the losses follow lesson 13's
@@ -46,28 +55,55 @@ def test_ends_with_lesson_13s_weights_beside_the_floor(lesson):
     assert max(abs(a - b) for a, b in zip(metrics["losses"], reference_losses)) < 1e-3
 
 
-def test_counts_the_sequence_parallel_collectives(lesson):
+def test_dtensor_plan_sends_what_the_by_hand_plan_sends(lesson):
+    """Issue #23: with use_local_output=True at the sublayers' border, q, k and v each summed
+    their input's gradient (1,966,080 bytes per block in backward on 2 ranks, not 786,432). Per
+    block, each way: f_sp and g_sp per sublayer, as by hand."""
     out, _, metrics = lesson
     c = metrics["collectives"]
-    for phase in ("forward", "backward"):  # f_sp and g_sp per sublayer, each way
-        assert c["per_block"][phase] == {"all_gather": 2, "reduce_scatter": 2}
+    for phase in ("forward", "backward"):
+        assert c["per_block"][phase] == {"all_gather": 2, "reduce_scatter": 2}, phase
         assert c["data_bytes_per_block"][phase] == 4 * ACTIVATION
-        assert c["sent_bytes_per_block"][phase] == pytest.approx(4 * (WORLD - 1) / WORLD * ACTIVATION)
-    # our sum after backward: one per whole-on-every-rank parameter in the region, 2 norms x 2
-    # + 2 biases per block and the final norm's 2, each of 4 x DIM bytes; AdamW's step: none
-    shared = 6 * T.N_BLOCKS + 2
-    assert c["per_step_by_phase"]["between"] == {"all_reduce": shared}
-    assert c["per_step_by_phase"]["optimizer"] == {}
-    assert c["sent_bytes_by_phase"]["between"] == pytest.approx(shared * 2 * (WORLD - 1) / WORLD * 4 * T.DIM)
-    # the whole step: the blocks, the way into the split and out of it (one all-gather each
-    # way more), and our sum; the bytes are everything the step sent
-    assert metrics["collectives_per_step"] == {"all_reduce": shared, "all_gather": 2 * (2 * T.N_BLOCKS + 1),
+        assert c["sent_bytes_per_block"][phase] == 4 * ring(WORLD, "all_gather") * ACTIVATION == 786_432
+    assert "blocks.1 alone: forward: 2 all_gather, 2 reduce_scatter, 786,432 bytes sent; " \
+           "backward: 2 all_gather, 2 reduce_scatter, 786,432 bytes sent" in out
+
+
+def test_metrics_count_everything_a_step_sends(lesson):
+    """The interface other checks read: collectives_per_step and collectives.sent_bytes_per_block
+    count everything a step sends, DTensor's own collectives and AdamW's step included. DTensor
+    leaves the LayerNorms' gradients Partial; AdamW's step reads each three times, and each read
+    all-reduces it (by hand: one sum after backward)."""
+    out, _, metrics = lesson
+    c = metrics["collectives"]
+    assert c["per_step_by_phase"]["between"] == {}
+    assert c["per_step_by_phase"]["optimizer"] == {"all_reduce": 3 * NORMS}
+    assert metrics["collectives_per_step"] == {"all_reduce": 3 * NORMS, "all_gather": 2 * (2 * T.N_BLOCKS + 1),
                                                "reduce_scatter": 2 * 2 * T.N_BLOCKS}
+    assert c["per_step"] == metrics["collectives_per_step"]
+    # the last block's share of AdamW's sums: its 2 norms' weights and biases, 3 each
+    assert c["per_block"]["optimizer"] == {"all_reduce": 12} and c["per_block"]["between"] == {}
+    assert c["sent_bytes_per_block"]["optimizer"] == pytest.approx(12 * ring(WORLD, "all_reduce") * SMALL)
+    assert c["sent_bytes_per_block"]["between"] == 0
+    # the whole step: the blocks, the way into the sequence split and out of it (an all-gather
+    # of the gradient, one of the activations), the last norm's sums; the phases add up to it
+    outside = 2 * ring(WORLD, "all_gather") * ACTIVATION + 6 * ring(WORLD, "all_reduce") * SMALL
+    assert c["sent_bytes_per_step"] == pytest.approx(T.N_BLOCKS * sum(c["sent_bytes_per_block"].values()) + outside)
     assert c["sent_bytes_per_step"] == pytest.approx(sum(c["sent_bytes_by_phase"].values()))
     local, full = c["split_param_bytes"]
     assert local * WORLD == full
-    assert "blocks.1 alone: forward: 2 all_gather, 2 reduce_scatter" in out
-    assert re.search(r"│ after backward +│ 14 +│ 0 +│ 0 +│ 3,584 +│", out), out  # the table's row
+    assert re.search(r"│ optimizer step +│ 30 +│ 0 +│ 0 +│ 7,680 +│", out), out  # the table's row
+    # CommLog recorded only the printed steps (it slows every op): 5 of 10
+    assert f"({STEPS // 2} steps recorded)" in out
+
+
+def test_recording_the_printed_steps_gives_every_steps_numbers(lesson, worlds):
+    """Every step sends the same: the lesson's printed steps give the numbers of every step of
+    the same variant, recorded in full."""
+    _, _, metrics = lesson
+    every = worlds[WORLD][0]["dtensor sp=True"]["counts"]
+    for key in ("per_step", "per_step_by_phase", "sent_bytes_by_phase", "per_block", "sent_bytes_per_block"):
+        assert metrics["collectives"][key] == every[key], key
 
 
 def test_shows_the_sequence_parallel_mistake_and_its_fix(lesson):
@@ -109,9 +145,9 @@ class _Quiet:
     table = print
 
 
-def _rank_variants(rank: int, world: int, steps: int) -> dict:
-    """Every variant of the lesson, trained `steps` steps as its Step 4 does, every collective
-    recorded as it records them."""
+def _rank_variants(rank: int, world: int, steps: int, variants: list) -> dict:
+    """Each (impl, sequence parallel, use_local_output) of `variants`, trained `steps` steps as
+    the lesson's Step 4 does, every collective of every step recorded as it records them."""
     import importlib.util
 
     import torch
@@ -124,9 +160,12 @@ def _rank_variants(rank: int, world: int, steps: int) -> dict:
     lesson = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lesson)
     results = {}
-    for impl, sp in VARIANTS:
-        split_model = lesson.parallelize_by_hand if impl == "manual" else lesson.parallelize_dtensor
-        model = split_model(T.make_model(), rank, world, sp)
+    for impl, sp, local in variants:
+        model = T.make_model()
+        if impl == "manual":
+            model = lesson.parallelize_by_hand(model, rank, world, sp)
+        else:
+            model = lesson.parallelize_dtensor(model, rank, world, sp, local_inputs=local)
         optimizer = T.make_optimizer(model)
         log = CommLog(modules=True)
         with log.recording():
@@ -140,13 +179,15 @@ def _rank_variants(rank: int, world: int, steps: int) -> dict:
                 optimizer.step()
         state = A.full_state_dict(model)
         counts = A.report(log, steps, model, _Quiet())
-        results[f"{impl} sp={sp}"] = {"state": state if rank == 0 else {}, "counts": counts}
+        name = f"{impl} sp={sp}" + (" use_local_output" if local else "")
+        results[name] = {"state": state if rank == 0 else {}, "counts": counts}
     return results
 
 
 @pytest.fixture(scope="module")
 def worlds():
-    return {world: run_world(world, _rank_variants, (FEW,), lesson_path("17")) for world in (1, 2, 4)}
+    return {world: run_world(world, _rank_variants, (FEW, VARIANTS + (MISTAKES if world == 2 else [])),
+                             lesson_path("17")) for world in (1, 2, 4)}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -166,35 +207,68 @@ def test_tensor_parallel_makes_two_all_reduces_per_block_each_way(worlds, world)
         for phase in ("forward", "backward"):
             assert by_hand["per_block"][phase] == {"all_reduce": 2}
             assert by_hand["data_bytes_per_block"][phase] == 2 * ACTIVATION
-            assert by_hand["sent_bytes_per_block"][phase] == pytest.approx(
-                2 * 2 * (world - 1) / world * ACTIVATION)
-        dtensor = worlds[world][rank]["dtensor sp=False"]["counts"]
-        assert dtensor["per_block"]["forward"] == {"all_reduce": 2}
-        # DTensor sums the input gradient of each column-parallel linear on its own: q, k, v, fc
-        assert dtensor["per_block"]["backward"] == {"all_reduce": 4}
+            assert by_hand["sent_bytes_per_block"][phase] == pytest.approx(2 * ring(world, "all_reduce") * ACTIVATION)
         sp = worlds[world][rank]["manual sp=True"]["counts"]
-        # sequence parallel: the same bytes on the wire, as all-gathers and reduce-scatters
-        assert sp["sent_bytes_per_block"] == pytest.approx(by_hand["sent_bytes_per_block"])
+        # sequence parallel: the same bytes on the wire in forward and backward, as 2 all-gathers
+        # and 2 reduce-scatters each way (f_sp and g_sp per sublayer)
+        for phase in ("forward", "backward"):
+            assert sp["per_block"][phase] == {"all_gather": 2, "reduce_scatter": 2}
+            assert sp["sent_bytes_per_block"][phase] == pytest.approx(by_hand["sent_bytes_per_block"][phase])
         # tensor parallel alone leaves no gradient to sum after backward, nor in the step
-        for counts in (by_hand, dtensor):
-            assert counts["per_step_by_phase"]["between"] == counts["per_step_by_phase"]["optimizer"] == {}
+        assert by_hand["per_step_by_phase"]["between"] == by_hand["per_step_by_phase"]["optimizer"] == {}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_dtensor_sums_the_layernorm_gradients_in_adamws_step(worlds, world):
-    """By hand, sequence parallel sums the whole-on-every-rank gradients once, after backward
-    (lesson Step 4). DTensor leaves the LayerNorms' gradients Partial and all-reduces each
-    when AdamW's step reads it: in lerp_, and twice in addcmul_(grad, grad)."""
-    norms = 2 * (2 * T.N_BLOCKS + 1)  # weight and bias of 2 norms per block and the last one
-    shared = norms + 2 * T.N_BLOCKS   # the row-parallel biases too, by hand
+def test_dtensor_plan_makes_the_by_hand_plans_collectives(worlds, world):
+    """The lesson's DTensor plan: q, k and v share one DTensor input (PrepareModuleInput,
+    use_local_output=False), so its gradient is summed once per sublayer, as f does by hand:
+    forward and backward, with and without sequence parallel, the same calls and bytes."""
     for rank in range(world):
-        by_hand = worlds[world][rank]["manual sp=True"]["counts"]["per_step_by_phase"]
+        for sp in (False, True):
+            by_hand = worlds[world][rank][f"manual sp={sp}"]["counts"]
+            dtensor = worlds[world][rank][f"dtensor sp={sp}"]["counts"]
+            for phase in ("forward", "backward"):
+                assert dtensor["per_block"][phase] == by_hand["per_block"][phase], (sp, phase)
+                assert dtensor["sent_bytes_per_block"][phase] == pytest.approx(by_hand["sent_bytes_per_block"][phase])
+        assert worlds[world][rank]["dtensor sp=False"]["counts"]["per_step_by_phase"]["optimizer"] == {}
+
+
+def test_use_local_output_sends_more_in_backward(worlds):
+    """The mistake the lesson's --use-local-output keeps (issue #23's numbers, 2 ranks, one
+    block's backward): q, k, v and fc each get a plain tensor, and each sums its input's
+    gradient: 4 all-reduces where f needs 1 per sublayer; with sequence parallel they replace
+    the reduce-scatters."""
+    for rank in range(WORLD):
+        plain = worlds[WORLD][rank]["dtensor sp=False use_local_output"]["counts"]
+        assert plain["per_block"]["backward"] == {"all_reduce": 4}
+        assert plain["sent_bytes_per_block"]["backward"] == 1_572_864
+        sp = worlds[WORLD][rank]["dtensor sp=True use_local_output"]["counts"]
+        assert sp["per_block"]["backward"] == {"all_gather": 2, "all_reduce": 4}
+        assert sp["sent_bytes_per_block"]["backward"] == 1_966_080
+        for counts in (plain, sp):  # forward is the same as the lesson's plan
+            assert counts["sent_bytes_per_block"]["forward"] == 786_432
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_sums_the_layernorm_gradients_outside_backward(worlds, world):
+    """By hand, sequence parallel sums the whole-on-every-rank gradients once, after backward
+    (lesson Step 4): the LayerNorms and the row-parallel biases. DTensor leaves the LayerNorms'
+    gradients Partial and all-reduces each when AdamW's step reads it: in lerp_, and twice in
+    addcmul_(grad, grad). The last block's share is its own parameters'."""
+    shared = NORMS + 2 * T.N_BLOCKS   # the row-parallel biases too, by hand
+    for rank in range(world):
+        by_hand = worlds[world][rank]["manual sp=True"]["counts"]
         dtensor = worlds[world][rank]["dtensor sp=True"]["counts"]
-        assert by_hand["between"] == {"all_reduce": shared} and by_hand["optimizer"] == {}
+        assert by_hand["per_step_by_phase"]["between"] == {"all_reduce": shared}
+        assert by_hand["per_step_by_phase"]["optimizer"] == {}
+        assert by_hand["per_block"]["between"] == {"all_reduce": 6}  # 2 norms x 2 + 2 biases
+        assert by_hand["sent_bytes_by_phase"]["between"] == pytest.approx(shared * ring(world, "all_reduce") * SMALL)
+        assert by_hand["per_step"] == {"all_reduce": shared, "all_gather": 2 * (2 * T.N_BLOCKS + 1),
+                                       "reduce_scatter": 2 * 2 * T.N_BLOCKS}
         assert dtensor["per_step_by_phase"]["between"] == {}
-        assert dtensor["per_step_by_phase"]["optimizer"] == {"all_reduce": 3 * norms}
-        assert dtensor["sent_bytes_by_phase"]["optimizer"] == pytest.approx(
-            3 * norms * 2 * (world - 1) / world * 4 * T.DIM)
+        assert dtensor["per_step_by_phase"]["optimizer"] == {"all_reduce": 3 * NORMS}
+        assert dtensor["per_block"]["optimizer"] == {"all_reduce": 12}
+        assert dtensor["sent_bytes_by_phase"]["optimizer"] == pytest.approx(3 * NORMS * ring(world, "all_reduce") * SMALL)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -214,4 +288,23 @@ def test_world_size_and_impl_are_checked(monkeypatch, capsys):
         line = parse_error(lesson, ["--world-size", n], monkeypatch, capsys)
         assert "4 attention heads" in line and "32 tokens" in line and line.endswith("use one of 1, 2, 4"), line
     assert "--impl" in parse_error(lesson, ["--impl", "megatron"], monkeypatch, capsys)
+    assert "add --impl dtensor" in parse_error(lesson, ["--use-local-output"], monkeypatch, capsys)
     assert math.isfinite(T.loss_floor())
+
+
+def test_check_17_names_g_when_g_also_sums_in_backward(tmp_path):
+    """Issue #26: a g that all-reduces in backward too makes the gradients of x, fc and proj N
+    times too big; the hint names g, where it used to ask which function sums in backward (f)."""
+    sys.path.insert(0, str(ROOT / "tools" / "checks"))
+    import check_17
+    from check_exercise import NotYet
+
+    solution = (ROOT / "tests" / "solutions" / "17_conjugate_functions.py").read_text()
+    g = solution.index("class G_")
+    wrong = tmp_path / "17_conjugate_functions.py"
+    wrong.write_text(solution[:g] + solution[g:].replace(
+        "    def backward(ctx, grad):\n        return grad", "    def backward(ctx, grad):\n"
+        "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad", 1))
+    assert "dist.all_reduce(grad)" in wrong.read_text()
+    with pytest.raises(NotYet, match="Does g sum it again in backward"):
+        check_17.check(wrong)

@@ -15,6 +15,7 @@ for backward (measured on 2 ranks: 8.94 MiB saved per rank instead of 7.44).
 
 The instruments:
 
+    recorded(steps, log, logged)    Step 4's steps, those in `logged` inside log.recording()
     report(log, steps, model, ui)   the collectives Step 4 recorded, per training step: by phase
                                     (forward, backward, between backward and step, the optimizer
                                     step) and in one block (apparatus/comm.py counted them);
@@ -27,6 +28,8 @@ The instruments:
     compare_with_13(state, ...)     max |w - w_13| beside the floor, printed
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -66,11 +69,27 @@ def split(x: torch.Tensor) -> torch.Tensor:
 
 def variant(args) -> str:
     sp = " + sequence parallel" if args.sequence_parallel else ""
-    return ("by hand" if args.impl == "manual" else "DTensor") + sp
+    local = ", use_local_output=True (the mistake)" if getattr(args, "use_local_output", False) else ""
+    return ("by hand" if args.impl == "manual" else "DTensor") + sp + local
+
+
+def recorded(steps, log, logged):
+    """Each step of `steps`; those in `logged` run inside log.recording(). CommLog passes every
+    op through Python, which slows training (about 1.7x when it records them all); every step
+    sends the same, so the steps whose numbers are printed are enough (as in lesson 22)."""
+    for step in steps:
+        with log.recording() if step in logged else nullcontext():
+            yield step
 
 
 def _is_sequence_parallel(p) -> bool:
     return getattr(p, "sequence_parallel", False)
+
+
+def _summed_outside(p) -> bool:
+    """A gradient summed over the ranks outside forward and backward: by hand, after backward
+    (Step 4); DTensor's, left Partial by backward, in AdamW's step (each time it reads it)."""
+    return _is_sequence_parallel(p) or any(pl.is_partial() for pl in getattr(p.grad, "placements", ()))
 
 
 def _sync_sequence_parallel(model) -> None:
@@ -149,14 +168,27 @@ PHASES = {"forward": "forward", "backward": "backward", "between": "after backwa
           "optimizer": "optimizer step"}  # CommLog's phase -> the row's name
 
 
+def _block_share(phases: dict, in_block: dict, model) -> None:
+    """Add to `in_block` the last block's share of the sums after backward and in AdamW's step:
+    they run outside every module, one per summed parameter (or three: AdamW reads a Partial
+    gradient three times), each of the same DIM floats; the block's share is its parameters'."""
+    summed = [n for n, p in model.named_parameters() if _summed_outside(p)]
+    mine = sum(n.startswith(f"blocks.{T.N_BLOCKS - 1}.") for n in summed)
+    for p in ("between", "optimizer"):
+        if phases.get(p) and summed:
+            in_block[p] = {k: v * mine / len(summed) for k, v in phases[p].items()}
+
+
 def report(log, steps: int, model, ui) -> dict:
     """The collectives a CommLog(modules=True) recorded over `steps` training steps, per step:
-    by phase (a table), and those the last block's modules issued (the first block also holds
-    the way into the sequence split), printed; then show_split(model). Returns the numbers for
-    metrics.json."""
+    by phase (a table), and those of the last block (the first block also holds the way into
+    the sequence split): what its modules issued in forward and backward, and its share of the
+    sums after backward and in AdamW's step; printed; then show_split(model). Returns the
+    numbers for metrics.json: everything a step sends, DTensor's own collectives included."""
     last = f".blocks.{T.N_BLOCKS - 1}"
     block = [c for c in log.calls if any(m.endswith(last) for m in c.modules)]
     phases, in_block = log.tally(lambda c: c.phase, steps), log.tally(lambda c: c.phase, steps, block)
+    _block_share(phases, in_block, model)
     step = log.tally(lambda c: "step", steps).get("step", {"data_bytes": 0, "sent_bytes": 0.0})
     kinds = lambda d: {k: v for k, v in d.items() if k in SHARE}  # noqa: E731  {"all_reduce": 2, ...}
     seen = [k for k in SHARE if k in step] or ["all_reduce"]
@@ -166,15 +198,15 @@ def report(log, steps: int, model, ui) -> dict:
     ui.table(f"Collectives per training step on this rank ({steps} steps recorded)",
              ["phase", *seen, "bytes sent"], rows)
     ui.print(f"of these, blocks.{T.N_BLOCKS - 1} alone: " + "; ".join(
-        f"{p}: " + (", ".join(f"{n:g} {k}" for k, n in kinds(in_block.get(p, {})).items()) or "none")
-        + f", {in_block.get(p, {}).get('sent_bytes', 0):,.0f} bytes sent" for p in ("forward", "backward")))
+        f"{PHASES[p]}: " + (", ".join(f"{n:g} {k}" for k, n in kinds(in_block.get(p, {})).items()) or "none")
+        + f", {in_block.get(p, {}).get('sent_bytes', 0):,.0f} bytes sent" for p in PHASES if p in in_block))
     return {"per_step": kinds(step), "sent_bytes_per_step": step["sent_bytes"],
             "data_bytes_per_step": step["data_bytes"],
             "per_step_by_phase": {p: kinds(phases.get(p, {})) for p in PHASES},
             "sent_bytes_by_phase": {p: phases.get(p, {}).get("sent_bytes", 0.0) for p in PHASES},
-            "per_block": {p: kinds(in_block.get(p, {})) for p in ("forward", "backward")},
-            "data_bytes_per_block": {p: in_block.get(p, {}).get("data_bytes", 0) for p in ("forward", "backward")},
-            "sent_bytes_per_block": {p: in_block.get(p, {}).get("sent_bytes", 0.0) for p in ("forward", "backward")},
+            "per_block": {p: kinds(in_block.get(p, {})) for p in PHASES},
+            "data_bytes_per_block": {p: in_block.get(p, {}).get("data_bytes", 0) for p in PHASES},
+            "sent_bytes_per_block": {p: in_block.get(p, {}).get("sent_bytes", 0.0) for p in PHASES},
             "split_param_bytes": show_split(model, ui)}
 
 
