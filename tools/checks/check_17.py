@@ -62,6 +62,11 @@ def check(path: Path) -> str:
                          f"holds only its part of proj's output. Which function must sum the "
                          f"parts over the ranks in forward?")
         worst = {n: max(r["grads"][n] for r in ranks) for n in ranks[0]["grads"]}
+        if worst["x"] > 1e-5 and worst["proj_weight"] > 1e-5:  # wrong before f: g sums in backward
+            raise NotYet(f"{setup}, the output is right but the gradients of x, fc and proj's weight are "
+                         f"off (proj_weight by {worst['proj_weight']:.1e}, relative): the gradient that "
+                         f"arrives at g's output is already the same on every rank. Does g sum it "
+                         f"again in backward, where it should pass it through unchanged?")
         if worst["x"] > 1e-5:
             raise NotYet(f"{setup}, the output is right but the input's gradient is "
                          f"{worst['x']:.1e} (relative) away: each rank's gradient of x comes from its own "
