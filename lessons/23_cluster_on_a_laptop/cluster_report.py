@@ -1,0 +1,149 @@
+"""Lesson 23's report: the measured rank beside lesson 19's planner, the fake run beside real
+gloo ranks, its flags and its metrics.json.
+
+    add_flags(parser), check_flags(args)    --model --world-size --dp --tp --microbatches --real
+    planner_model(size, m, dp)              lesson 19's planner.Model for one of our sizes
+    measure(log, mesh, held, peak, m)       what one rank measured, in metrics.json's keys
+    beside_planner(ui, measured, ...)       measured / planner, and the largest relative gap
+    beside_fake(ui, real, fake)             the same job on real gloo ranks vs the fake group
+"""
+from __future__ import annotations
+
+import torch
+
+import planner as P  # lessons/19_two_d_mesh/planner.py: lesson 19's formulas, checked here
+from fake_cluster import SIZES, Size, count_parameters, make_model
+
+SPLIT = ("attn.q", "attn.k", "attn.v", "mlp.fc", "attn.proj.weight", "mlp.proj.weight")  # lesson 19's plan
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+HELD = ("parameters", "gradients", "optimizer_state")
+MOST_WORLD = 4096  # checked up to here (1,024 in the tests); beyond, the fake group is untested
+MOST_REAL = 8      # --real starts this many gloo processes at most, each a full tiny model
+
+
+def add_flags(parser) -> None:
+    parser.add_argument("--model", choices=sorted(SIZES), default="1b",
+                        help="the transformer's size (fake_cluster.py's SIZES)")
+    parser.add_argument("--world-size", type=int, default=1024, help="ranks in the job (dp x tp)")
+    parser.add_argument("--tp", type=int, default=8, help="ranks across each block (tensor parallel); 1: FSDP2 alone")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="ranks across the data (FSDP2); default: --world-size / --tp")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="forward and backward passes per optimizer step (gradient accumulation)")
+    parser.add_argument("--real", action="store_true",
+                        help="also run the same code on real gloo ranks and compare (--model tiny, at most 8 ranks)")
+
+
+def check_flags(args):
+    """One line naming the problem and the fix, before any work; sets args.dp and args.size."""
+    from common.cli import fail
+    size = args.size = SIZES[args.model]
+    for flag in ("world_size", "tp", "microbatches") + (("dp",) if args.dp is not None else ()):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} must be a whole number of 1 or more")
+    if args.world_size > MOST_WORLD:
+        fail(f"--world-size {args.world_size}: this lesson is checked up to {MOST_WORLD} ranks; use fewer")
+    if args.microbatches > 16:
+        fail(f"--microbatches {args.microbatches}: at most 16 (each one is a forward and backward pass)")
+    if args.dp is None:
+        if args.world_size % args.tp:
+            fail(f"--tp {args.tp} does not divide --world-size {args.world_size}; pick a --tp that does, e.g. --tp 8")
+        args.dp = args.world_size // args.tp
+    if args.dp * args.tp != args.world_size:
+        fail(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} ranks, not --world-size "
+             f"{args.world_size}; make dp x tp equal the world size")
+    if size.heads % args.tp:
+        fail(f"--tp {args.tp} does not divide --model {args.model}'s {size.heads} attention heads "
+             f"(each rank holds whole heads); use a divisor of {size.heads}")
+    if args.real and (args.model != "tiny" or args.world_size > MOST_REAL):
+        fail(f"--real starts {args.world_size} real processes, each holding its shards: use --model tiny "
+             f"and at most {MOST_REAL} ranks (e.g. --real --model tiny --world-size 4 --tp 2)")
+    return args
+
+
+def planner_model(size: Size, microbatches: int) -> P.Model:
+    """Lesson 19's planner.Model for one of our sizes: one sequence per micro-batch per dp rank;
+    `replicated`: the parameters lesson 19's plan leaves whole on every tp rank."""
+    with torch.device("meta"):
+        named = list(make_model(size).named_parameters())
+    replicated = sum(p.numel() for n, p in named if not any(s in n for s in SPLIT))
+    return P.Model(count_parameters(size), size.blocks, size.dim, size.seq, 1, microbatches, replicated)
+
+
+def group_bytes(size: Size, tp: int) -> list[float]:
+    """fp32 bytes of each FSDP group (the blocks, then the root) on a rank after tp's split."""
+    groups = [0.0] * (size.blocks + 1)
+    with torch.device("meta"):
+        for name, p in make_model(size).named_parameters():
+            i = int(name.split(".")[1]) if name.startswith("blocks.") else -1
+            groups[i] += 4 * p.numel() / (tp if any(s in name for s in SPLIT) else 1)
+    return groups
+
+
+def planner_keys(size: Size, dp: int, tp: int, microbatches: int) -> dict:
+    """The planner's numbers under metrics.json's keys: fp32 AdamW, TP x ZeRO-3 (FSDP2)."""
+    model, lay = planner_model(size, microbatches), P.Layout(dp=dp, tp=tp, zero=3)
+    held = P.memory(model, lay, per_param=P.FP32)
+    sent = P.comm(model, lay, element=4, group_bytes=group_bytes(size, tp))
+    return {"held_bytes": {k: round(held[k]) for k in HELD},
+            "sent_bytes": {d: round(sent[d]) for d in ("dp", "tp")}}
+
+
+def measure(log, mesh, held: dict, peak: dict, debug_counts: dict) -> dict:
+    """What this rank measured: bytes held by kind, collectives by kind (CommLog's, and with
+    --real torch's CommDebugMode's), bytes sent by mesh dimension (a collective's process group
+    names its dimension), MemTracker's peak (--real only)."""
+    dims = {mesh[d].get_group().group_name: d for d in ("dp", "tp")}
+    by_dim = log.tally(lambda c: dims.get(c.group, "other"), 1)
+    return {"held_bytes": held,
+            "collectives": {k: sum(1 for c in log.calls if c.kind == k) for k in KINDS},
+            "collectives_by_dim": {d: {k: v.get(k, 0) for k in KINDS} for d, v in by_dim.items()},
+            "sent_bytes": {d: round(by_dim.get(d, {}).get("sent_bytes", 0.0)) for d in ("dp", "tp")},
+            "peak_bytes": peak, "comm_debug_mode": debug_counts}
+
+
+def relative(measured: float, formula: float) -> float:
+    """|measured - formula| / formula; 0 when both are 0, 1 when only the formula is 0."""
+    if formula == 0:
+        return 0.0 if measured == 0 else 1.0
+    return abs(measured - formula) / formula
+
+
+def beside_planner(ui, per_rank: dict, plan: dict) -> float:
+    rows, worst = [], 0.0
+    for group in ("held_bytes", "sent_bytes"):
+        for key, formula in plan[group].items():
+            got = per_rank[group][key]
+            gap = relative(got, formula)
+            worst = max(worst, gap)
+            what = key if group == "held_bytes" else f"sent across {key}"
+            rows.append([what, f"{got:,}", f"{formula:,}", f"{gap:.2%}"])
+    ui.table("Rank 0, one step: measured / lesson 19's planner (fp32 AdamW, TP x ZeRO-3)",
+             ["bytes", "measured", "planner", "difference"], rows)
+    ui.print(f"largest difference from the planner: [bold]{worst:.2%}[/bold] (allowed 10%)")
+    if worst > 0.10:  # which one is wrong, and why
+        ui.print("over 10%: the planner is wrong here. FSDP2 gives every dp rank ceil(rows / dp) rows "
+                 "of each tensor, padding the last rank's; the planner divides the parameter count "
+                 "evenly. A tensor with fewer rows than dp ranks costs rank 0 a whole row: with a small "
+                 "model on many ranks that padding is most of what it holds and gathers.")
+    return worst
+
+
+def beside_fake(ui, real: dict, fake: dict) -> tuple[bool, float]:
+    """Rank 0 of real gloo ranks beside rank 0 of the fake group, the same code: every count and
+    byte (and torch's CommDebugMode beside CommLog on both); then MemTracker's peaks."""
+    keys = [("held_bytes", k) for k in HELD] + [("collectives", k) for k in KINDS] + \
+           [("comm_debug_mode", k) for k in KINDS] + [("sent_bytes", d) for d in ("dp", "tp")]
+    rows = [[f"{g}: {k}", f"{fake[g].get(k, 0):,}", f"{real[g].get(k, 0):,}",
+             "yes" if fake[g].get(k, 0) == real[g].get(k, 0) else "NO"] for g, k in keys]
+    ui.table("Rank 0: the fake group beside real gloo ranks, the same code", ["", "fake", "real", "same"], rows)
+    if not real["peak_bytes"]:
+        ui.print("no peaks: MemTracker refuses a module that runs twice (micro-batches); use --microbatches 1")
+        return all(r[-1] == "yes" for r in rows), None
+    peaks = [[k, f"{fake['peak_bytes'].get(k, 0):,}", f"{real['peak_bytes'].get(k, 0):,}"]
+             for k in sorted(set(fake["peak_bytes"]) | set(real["peak_bytes"]))]
+    ui.table("MemTracker's peak on rank 0, by kind (bytes)", ["", "fake", "real"], peaks)
+    gap = relative(fake["peak_bytes"]["total"], real["peak_bytes"]["total"])
+    ui.print(f"MemTracker's peak under fake tensors is {gap:.1%} off the real one, and its kinds "
+             f"differ: it does not work under FakeTensorMode, so the fake runs do not report a peak")
+    return all(r[-1] == "yes" for r in rows), gap
