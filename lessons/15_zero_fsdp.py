@@ -7,8 +7,8 @@ New since lesson 13: the same transformer on N ranks, each on 1/N of every batch
 zero1: ShardedOptimizer (ZeRO-1 by hand, below) keeps on each rank the AdamW state of its own
 parameters; zero1-torch: torch's ZeroRedundancyOptimizer; fsdp: fully_shard on every block and
 the root (ZeRO-3; --no-reshard-after-forward: ZeRO-2-like). Measured on every rank: the bytes
-it holds and sends per step, each beside its formula, and lesson 13's weights within 1e-3.
-Lesson 13's activation steps stay there: sharding leaves the activations as they were.
+it holds and sends per step beside their formulas, the peak of one step (torch's MemTracker),
+and lesson 13's weights within 1e-3. Lesson 13's activation steps stay there.
 
 Run:
     make lesson-15
@@ -61,9 +61,8 @@ def parse_args():
 class ShardedOptimizer(sharded.DropIn):
     """ZeRO-1 by hand, with ZeroRedundancyOptimizer's constructor. Whole parameters are dealt
     to the ranks (biggest first, to the least loaded), so any optimizer class sees whole
-    tensors, and each rank's optimizer_class holds the state of its own parameters only.
-    step() reduce-scatters the gradients, steps this rank's parameters and all-gathers them.
-    (DropIn: a scheduler's lr reaches the inner optimizer, state_dict() gathers every rank's.)"""
+    tensors; each rank's optimizer_class (self.optim) holds its own parameters' state only.
+    step() reduce-scatters the gradients, steps this rank's parameters and all-gathers them."""
 
     def __init__(self, params, optimizer_class, **defaults):
         super().__init__(list({id(p): p for p in params}.values()), defaults)  # tied: once
@@ -73,7 +72,7 @@ class ShardedOptimizer(sharded.DropIn):
             load[owner] += p.numel()
         # collectives want equal pieces: every rank's row is padded to the biggest shard
         self.size, self.device = max(load), self.param_groups[0]["params"][0].device
-        self.adopt(optimizer_class([{"params": self.shards[dist.get_rank()]}], **defaults))  # may be []
+        self.adopt(optimizer_class([{"params": self.shards[dist.get_rank()]}], **defaults))  # (DropIn)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -132,8 +131,9 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     model = T.make_model(args.seed).to(device)
     if args.strategy == "fsdp":  # ZeRO-3: each block one FSDP group, then the root (the rest)
         mesh = dist.init_device_mesh(device.type, (world,))
-        for module in (*model.blocks, model):
-            fully_shard(module, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+        for block in model.blocks:  # --no-reshard-after-forward: keep them gathered till backward
+            fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+        fully_shard(model, mesh=mesh)  # the root at its default: gathered once, kept for backward
         sharding.show_shards(ui, model)
     train_model = model  # what the batches go through; DDP's gradients live in its buckets
     if args.strategy in ("ddp", "zero1-torch"):  # (route...: a Python frame per bucket)
@@ -148,16 +148,18 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     ui.print(f"Transformer: {T.N_BLOCKS} blocks, width {T.DIM}, {T.N_HEADS} heads, "
              f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}")
 
-    # Step 4: Train, recording every collective
+    # Step 4: Train, recording the collectives and the peak memory
     # The same loop as lesson 01, with a new batch every step instead of epochs.
     # On this rank's rows; CommLog and FSDPStory record the collectives the strategy makes.
-    ui.step(4, "Train, recording every collective")
+    ui.step(4, "Train, recording the collectives and the peak memory")
     losses: list[float] = []
     timer = Timer()
     log, story = CommLog(), sharded.FSDPStory()  # every collective, and FSDP2's hooks
     log_every = max(1, args.steps // 5)
-    with ui.progress(args.steps, "training") as bar, log.recording(), story:
+    record = sharded.StepRecorder(log, model, optimizer, args.steps, log_every)  # the printed steps
+    with ui.progress(args.steps, "training") as bar, record, story:
         for step in range(args.steps):
+            record.at(step)  # CommLog on the printed steps, MemTracker on the last (slower ops)
             x, y = T.batch(step, args.seed)
             x, y = T.shard(x, rank, world).to(device), T.shard(y, rank, world).to(device)
             loss = T.loss_fn(train_model(x), y)
@@ -195,7 +197,8 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     held, one_device = sum(per_rank["per_rank_bytes"].values()), sum(formula_bytes(n_params).values())
     ui.print(f"rank 0 holds {held:,} bytes, {held / n_params:.1f} per parameter: "
              f"{held / one_device:.0%} of the {one_device:,} one device holds (lesson 13)")
-    comm = sharded.report_comm(ui, log, story, args, optimizer)
+    peaks = sharded.report_peaks(ui, record, per_rank)  # every rank's, beside what it holds
+    comm = sharded.report_comm(ui, log, story, args, optimizer, record.logged)
 
     # Step 7: Compare with lesson 13, save the results
     # final_state is the full state dict gathered to rank 0's CPU: a plain model loads it.
@@ -211,7 +214,7 @@ def worker(rank: int, world: int, args, kind: str) -> None:
         lesson="15", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, max_abs_diff_vs_single_device=diff, chunked_floor=gap, **comm, **per_rank))
+        loss_floor=floor, max_abs_diff_vs_single_device=diff, chunked_floor=gap, **comm, **per_rank, **peaks))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
     teardown()

@@ -1,9 +1,11 @@
 """Lesson 15: ZeRO and FSDP2, run as a learner would; ShardedOptimizer checked on its own.
 
-Two short runs share the module: fsdp on 3 ranks (3 does not divide most rows: padding) and
-zero1 by hand on 4 ranks. Each must end with lesson 13's weights for the same steps (within
-1e-3), hold what the formula says on every rank, and send what the ring formulas say. (The
-doc's output blocks run ddp and zero1-torch; tools/doc_output.py regenerates them.)
+Three short runs on 2 ranks share the module: fsdp, ddp (their peaks side by side) and zero1
+by hand. Each must end with lesson 13's weights for the same steps (within
+1e-3), hold what the formula says on every rank, peak above that, and send what the ring
+formulas say. ShardedOptimizer as a drop-in, and FSDP2's padding on 3 ranks, are checked in
+one world of 3 ranks. (The doc's output blocks also run zero1-torch; tools/doc_output.py
+regenerates them.)
 """
 import math
 import re
@@ -17,9 +19,10 @@ from apparatus.state_dicts import load_into
 from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson
 
 STEPS = 6
-RUNS = {"fsdp": (3, []), "zero1": (4, ["--strategy", "zero1"])}
+RUNS = {"fsdp": (2, []), "ddp": (2, ["--strategy", "ddp"]), "zero1": (2, ["--strategy", "zero1"])}
 PSI = sum(p.numel() for p in T.make_model().parameters())  # parameters of the recipe
 SHAPES = [tuple(p.shape) for p in T.make_model().parameters()]
+NAMES = [n for n, _ in T.make_model().named_parameters()]
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +77,39 @@ def test_every_rank_holds_what_the_formula_says(runs, name):
     assert f"rank 0 holds {held:,} bytes, {held / PSI:.1f} per parameter: {held / (16 * PSI):.0%}" in out
     optimizer = [r["measured"]["optimizer_state"] for r in ranks]
     if name == "fsdp":  # everything sharded: the shards of each tensor add up to it
-        assert sum(optimizer) == 8 * PSI
-        # every rank stores ceil(rows / N) rows of each tensor (torch.chunk's first piece)
-        padded = 4 * sum(len(torch.arange(s[0]).chunk(world)[0]) * math.prod(s[1:]) for s in SHAPES)
-        assert all(r["measured"]["parameters"] == r["measured"]["gradients"] == padded for r in ranks)
-        assert 4 * PSI / world < padded < 4 * PSI / world * 1.1  # 3 does not divide 64 or 8 rows
-        assert sum(ranks[0]["measured"].values()) < 16 * PSI / world * 1.1  # a third of one device
+        _fsdp_holds_padded_shards(ranks, world)
+    elif name == "ddp":  # everything everywhere: lesson 13's 16 bytes per parameter
+        assert all(r["measured"] == {"parameters": 4 * PSI, "gradients": 4 * PSI,
+                                     "optimizer_state": 8 * PSI} for r in ranks)
     else:  # ZeRO-1: whole parameters and gradients everywhere, each state element on one rank
         assert sum(optimizer) == 8 * PSI
         assert all(r["measured"]["parameters"] == 4 * PSI for r in ranks)
         assert all(r["measured"]["gradients"] == 4 * PSI for r in ranks)
+
+
+def _fsdp_holds_padded_shards(ranks, world):
+    """Every rank stores ceil(rows / N) rows of each tensor (torch.chunk's first piece)."""
+    assert sum(r["measured"]["optimizer_state"] for r in ranks) == 8 * PSI
+    padded = 4 * sum(len(torch.arange(s[0]).chunk(world)[0]) * math.prod(s[1:]) for s in SHAPES)
+    assert all(r["measured"]["parameters"] == r["measured"]["gradients"] == padded for r in ranks)
+    assert 4 * PSI / world <= padded < 4 * PSI / world * 1.1  # 3 does not divide 64 or 8 rows
+    assert sum(ranks[0]["measured"].values()) < 16 * PSI / world * 1.1  # 1/N of one device
+    return padded
+
+
+def test_peak_of_a_step_is_measured_on_every_rank_and_fsdp_peaks_below_ddp(runs):
+    """MemTracker's peak of one step (metrics.json's peak_memory_bytes: rank 0's; every
+    rank's in peak_memory_bytes_all) is above what the rank holds at rest (the activations
+    come on top), and on 2 ranks FSDP's is below DDP's on every rank."""
+    for name, (out, _, metrics, world) in runs.items():
+        peaks, rest = metrics["peak_memory_bytes_all"], metrics["per_rank_bytes_all"]
+        assert len(peaks) == world and metrics["peak_memory_bytes"] == peaks[0], name
+        assert metrics["peak_memory_step"] == STEPS  # the last step, the last printed
+        for peak, r in zip(peaks, rest):
+            assert peak >= sum(r["measured"].values()), (name, peak, r)
+        assert f"{peaks[0]:,}" in out and "Peak of one training step" in out, name
+    fsdp, ddp = runs["fsdp"][2]["peak_memory_bytes_all"], runs["ddp"][2]["peak_memory_bytes_all"]
+    assert all(f < d for f, d in zip(fsdp, ddp)), (fsdp, ddp)
 
 
 def test_fsdp_padding_matches_torch_chunk():
@@ -102,10 +128,24 @@ def test_communication_is_counted_and_matches_the_ring_formulas(runs):
     out, _, fsdp, world = runs["fsdp"]
     assert fsdp["comm_bytes_per_step"] == pytest.approx(fsdp["comm_formula_bytes"])
     assert fsdp["ddp_comm_bytes"] == pytest.approx(ddp(world))
-    # ZeRO-3: all-gather in forward, again in backward, reduce-scatter: ~1.5x DDP (+ padding)
-    assert 1.5 <= fsdp["comm_bytes_per_step"] / ddp(world) < 1.6
-    assert fsdp["comm_calls_per_step"] == 3 * (T.N_BLOCKS + 1)
+    # ZeRO-3: each block all-gathered in forward, again in backward, reduce-scattered (1.5x
+    # DDP); the root (FSDP2's default for it) gathered once and kept for backward
+    blocks = 4 * sum(math.prod(s) for n, s in zip(NAMES, SHAPES) if n.startswith("blocks."))
+    share = (world - 1) / world
+    assert fsdp["comm_bytes_per_step"] == pytest.approx(share * (3 * blocks + 2 * (4 * PSI - blocks)))
+    assert 1.45 < fsdp["comm_bytes_per_step"] / ddp(world) < 1.5
+    assert fsdp["comm_calls_per_step"] == 3 * T.N_BLOCKS + 2
     assert "pre_backward" in out and "reduce-scatter" in out and "S(0)" in out
+    # the story: the root is not gathered again in backward; each group's pre_backward
+    # prefetches the group before it, and that gather is shown under the group it is for
+    story = out[out.index("What FSDP2 did"):]
+    assert re.search(r"pre_backward\s+│ root\s+│ -", story), story
+    assert re.search(r"prefetch in root's\s+│ blocks\.1\s+│ all-gather", story), story
+    assert re.search(r"prefetch in blocks\.1's\s+│ blocks\.0\s+│ all-gather", story), story
+    assert re.search(r"pre_backward\s+│ blocks\.[01]\s+│ -", story), story
+    _, _, ddp_run, _ = runs["ddp"]
+    # torch's DDP adds two small broadcasts in its second step (its rebuilt buckets)
+    assert ddp_run["comm_bytes_per_step"] == pytest.approx(ddp(2), rel=1e-4)
     _, _, zero1, world = runs["zero1"]
     assert zero1["comm_bytes_per_step"] == pytest.approx(zero1["comm_formula_bytes"])
     assert 1.0 <= zero1["comm_bytes_per_step"] / ddp(world) < 1.1  # reduce-scatter + all-gather
@@ -179,18 +219,43 @@ class Tied(torch.nn.Module):
 
 def _three_optimizers(rank, world, steps):
     """AdamW and SGD with momentum on Tied, AdamW on one Linear (two parameters: on 3 ranks,
-    one rank owns nothing), in one world of ranks (starting ranks is the slow part)."""
+    one rank owns nothing), in one world of ranks (starting ranks is the slow part); then
+    what the recipe holds under lesson 15's fully_shard after one step, with padding on 3."""
     return [_sharded_vs_one_process(rank, world, make_model, cls, defaults, steps)
             for make_model, cls, defaults in ((Tied, torch.optim.AdamW, {"lr": 1e-2}),
                                               (Tied, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-                                              (lambda: torch.nn.Linear(6, 6), torch.optim.AdamW, {"lr": 1e-2}))]
+                                              (lambda: torch.nn.Linear(6, 6), torch.optim.AdamW, {"lr": 1e-2}))
+            ] + [_fsdp_held(rank, world)]
+
+
+def _fsdp_held(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from apparatus import sharding
+    model = T.make_model(T.SEED)
+    mesh = dist.init_device_mesh("cpu", (world,))
+    for block in model.blocks:  # as lesson 15's Step 3
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = T.make_optimizer(model)
+    x, y = T.batch(0, T.SEED)
+    T.loss_fn(model(T.shard(x, rank, world)), T.shard(y, rank, world)).backward()
+    optimizer.step()
+    return {"measured": sharding.held_bytes(model, optimizer),
+            "formula": sharding.formula_bytes("fsdp", sharding.recipe_shapes(), world, rank,
+                                              sharding.owned_numel(optimizer))}
 
 
 def test_sharded_optimizer_is_a_drop_in_that_matches_one_process():
-    """Tied weights, a scheduler, step(closure), state_dict both ways, a rank with nothing."""
+    """Tied weights, a scheduler, step(closure), state_dict both ways, a rank with nothing;
+    and FSDP2's padded shards on 3 ranks, measured beside the formula."""
     sys.path.insert(0, str(ROOT / "tools"))
     from check_exercise import run_world
     ranks = run_world(3, _three_optimizers, (4,), ROOT / "lessons" / "15_zero_fsdp.py")
+    fsdp = [r.pop() for r in ranks]  # FSDP2 on 3 ranks: 3 does not divide 64 or 8 rows
+    assert all(r["measured"] == r["formula"] for r in fsdp), fsdp
+    assert _fsdp_holds_padded_shards(fsdp, 3) > 4 * PSI / 3
     for results in zip(*ranks):  # per optimizer class: every rank's report
         assert all(r["diff"] < 1e-6 for r in results), results
         assert all(r["loss"] and r["lr"] == r["expected_lr"] and r["loaded_lr"] for r in results), results

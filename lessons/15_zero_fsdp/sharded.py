@@ -8,7 +8,10 @@ sent per step, and the peak of one step.
   usable where a torch optimizer is: an LR scheduler's lr reaches the inner optimizer,
   state_dict()/load_state_dict() hold every rank's state, step(closure) runs the closure.
 * FSDPStory: records FSDP2's own debug markers (pre_forward, pre_backward, post_backward,
-  per module) so that each collective CommLog saw can be shown under the block it served.
+  per module) and its backward prefetches, so that each collective CommLog saw can be shown
+  under the group it served.
+* StepRecorder: CommLog on the logged steps only, torch's MemTracker (FSDPMemTracker under
+  FSDP2) on the last of them; report_peaks: every rank's peak beside what it holds at rest.
 * report_comm: the bytes this rank sent per step (CommLog) beside the ring formula
   (apparatus/sharding.py's comm_formula) and beside DDP's, and for fsdp the story table.
 
@@ -17,6 +20,7 @@ which lessons 16 and 19 use too.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -24,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from apparatus.sharding import comm_formula, recipe_shapes
+from apparatus.sharding import comm_formula, inner_optimizer, recipe_shapes
 
 
 def flat_row(params, size: int, device, grad: bool = False) -> torch.Tensor:
@@ -54,6 +58,10 @@ class FSDPStory:
     FSDP2 logs a debug line at each hook it runs ("FSDP::pre_forward (blocks.0)") on the
     logger torch.distributed.fsdp.fully_shard, before the hook issues its collectives. We
     note the time of each line; a collective CommLog saw belongs to the last line before it.
+    A group's pre_backward also gathers the group that ran forward before it (torch 2.14.1,
+    _fsdp_param_group.py: _backward_prefetch -> _prefetch_unshard), which logs nothing: we
+    wrap FSDPParamGroup._prefetch_unshard while recording, so that gather gets its own line,
+    under the group it is for.
     """
 
     LOGGER = "torch.distributed.fsdp.fully_shard"
@@ -64,6 +72,14 @@ class FSDPStory:
         self._handler.emit = lambda record: self.marks.append((time.perf_counter(), record.getMessage()))
 
     def __enter__(self) -> "FSDPStory":
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        self._prefetch = prefetch = FSDPParamGroup._prefetch_unshard  # a staticmethod
+
+        def noted(target, pass_type):
+            self.marks.append((time.perf_counter(), f"FSDP::{pass_type}_prefetch ({target._module_fqn})"))
+            return prefetch(target, pass_type)
+        FSDPParamGroup._prefetch_unshard = staticmethod(noted)
         logger = logging.getLogger(self.LOGGER)
         self._level, self._propagate = logger.level, logger.propagate
         logger.setLevel(logging.DEBUG)
@@ -72,6 +88,9 @@ class FSDPStory:
         return self
 
     def __exit__(self, *exc) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        FSDPParamGroup._prefetch_unshard = staticmethod(self._prefetch)
         logger = logging.getLogger(self.LOGGER)
         logger.removeHandler(self._handler)
         logger.setLevel(self._level)
@@ -90,11 +109,37 @@ class FSDPStory:
             until = marks[i + 1][0] if i + 1 < len(marks) else stop
             issued = [c for c in calls if t <= c.start < until]
             hook, _, module = text.removeprefix("FSDP::").partition(" ")
+            if hook == "backward_prefetch":  # issued inside the previous line's pre_backward
+                hook = f"  prefetch in {out[-1][1]}'s" if out else "prefetch"
             if not issued and hook not in ("pre_forward", "pre_backward", "post_backward"):
                 continue
             what = ", ".join(f"{c.kind.replace('_single', '').replace('_', '-')} "
                              f"{c.data_bytes / 1024:,.1f} KiB" for c in issued) or "-"
             out.append([hook, module.strip("()") or "root", what])
+        return out
+
+    def timeline(self, calls, step: int) -> list[list]:
+        """[start ms, end ms, what, group] in training step `step`, from its first hook: each
+        group's forward and backward (its pre_ hook to its post_ hook) and each collective,
+        under the group it served (a prefetch: its target). docs/img/15_fsdp_timeline.png."""
+        starts = [i for i, (_, text) in enumerate(self.marks) if text == "FSDP::root_pre_forward"]
+        if step >= len(starts):
+            return []
+        end = starts[step + 1] if step + 1 < len(starts) else len(self.marks)
+        marks, t0 = self.marks[starts[step]:end], self.marks[starts[step]][0]
+        stop = self.marks[end][0] if end < len(self.marks) else math.inf
+        out, opened = [], {}
+        for i, (t, text) in enumerate(marks):
+            until = marks[i + 1][0] if i + 1 < len(marks) else stop
+            hook, _, module = text.removeprefix("FSDP::").partition(" ")
+            group = module.strip("()") or "root"
+            phase = hook.split("_")[-1]  # forward, backward (pre_, post_, backward_prefetch)
+            if hook.startswith("pre_"):
+                opened[phase, group] = t
+            elif hook.startswith("post_") and (phase, group) in opened:
+                out.append([(opened.pop((phase, group)) - t0) * 1e3, (t - t0) * 1e3, phase, group])
+            out += [[(c.start - t0) * 1e3, ((c.end or c.start) - t0) * 1e3, c.kind.replace("_single", ""),
+                     group] for c in calls if t <= c.start < until]
         return out
 
 
@@ -151,21 +196,89 @@ def kib(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
-def report_comm(ui, log, story, args, optimizer) -> dict:
-    """Bytes this rank sent per step (CommLog) beside the formula and DDP's; for fsdp, what
-    FSDP2 did around each module in the second step."""
-    world, strategy, steps = dist.get_world_size(), args.strategy, args.steps
+def fsdp_comm_formula(shapes: dict, world: int, reshard: bool) -> float:
+    """comm_formula for lesson 15's fsdp: the blocks reshard after forward as --reshard says,
+    the root at FSDP2's default for it (reshard_after_forward=None: not resharded, gathered once)."""
+    blocks = {k: v for k, v in shapes.items() if k.startswith("blocks.")}
+    root = {k: v for k, v in shapes.items() if not k.startswith("blocks.")}
+    return comm_formula("fsdp", blocks, world, 0, reshard) + comm_formula("fsdp", root, world, 0, False)
+
+
+def report_comm(ui, log, story, args, optimizer, recorded: list[int]) -> dict:
+    """Bytes this rank sent per step (CommLog, over the `recorded` steps) beside the formula
+    and DDP's; for fsdp, what FSDP2 did around each module in the second recorded step."""
+    world, strategy = dist.get_world_size(), args.strategy
     reshard, shapes = args.reshard_after_forward, recipe_shapes()
-    comm = log.summary(steps)
+    comm = log.summary(len(recorded))
     sent = comm["sent_bytes_per_step"]
-    expected = comm_formula(strategy, shapes, world, getattr(optimizer, "size", 0), reshard)
+    expected = (fsdp_comm_formula(shapes, world, reshard) if strategy == "fsdp" else
+                comm_formula(strategy, shapes, world, getattr(optimizer, "size", 0), reshard))
     ddp = comm_formula("ddp", shapes, world, 0, True)
     ui.print(f"{comm['calls_per_step']:.0f} collectives per step; rank 0 sent {kib(sent)} per "
              f"step (formula {kib(expected)}); DDP's all-reduce sends {kib(ddp)}: "
              f"{sent / ddp if ddp else 0:.2f}x")
     if strategy == "fsdp":
-        ui.table("What FSDP2 did around each module in step 2 (rank 0)",
-                 ["hook", "module", "collectives it issued"], story.rows(log.calls, 1))
+        step = recorded[min(1, len(recorded) - 1)]
+        ui.table(f"What FSDP2 did around each module in step {step + 1} (rank 0)",
+                 ["hook", "module", "collectives it issued"], story.rows(log.calls, step))
+    timeline = story.timeline(log.calls, step) if strategy == "fsdp" else []
     return {"comm_bytes_per_step": sent, "comm_formula_bytes": expected, "ddp_comm_bytes": ddp,
+            "fsdp_timeline": timeline,
             "comm_calls_per_step": comm["calls_per_step"], "strategy": strategy,
             "reshard_after_forward": reshard}
+
+
+class StepRecorder:
+    """with StepRecorder(log, model, optimizer, steps, every) as record: ... record.at(step) ...
+
+    A TorchDispatchMode sees every op, so it slows every step it watches: CommLog records
+    the printed steps only, every `every`-th (each step of a strategy sends the same; torch's
+    DDP sends more in its first two, then every step alike), and torch's MemTracker
+    (torch/distributed/_tools/mem_tracker.py; FSDPMemTracker for FSDP2, which also sees its
+    all-gather and reduce-scatter buffers) follows the last of them, from its forward to the
+    end of its optimizer step: the peak of one training step, activations included, on top
+    of what the rank holds at rest (the model, its gradients, the optimizer state)."""
+
+    def __init__(self, log, model, optimizer, steps: int, every: int):
+        self.log, self.model, self.optimizer = log, model, optimizer
+        self.logged = [s for s in range(steps) if (s + 1) % every == 0]
+        self.stack, self.tracker, self.peak_step = contextlib.ExitStack(), None, self.logged[-1]
+
+    def at(self, step: int) -> None:
+        """Stop recording the previous step; record this one if it is logged."""
+        self.stack.close()
+        if step in self.logged:
+            self.stack.enter_context(self.log.recording())
+        if step == self.peak_step:
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            if hasattr(self.model, "reshard"):  # an FSDPModule: it tracks its own state
+                self.tracker = FSDPMemTracker(self.model, inner_optimizer(self.optimizer))
+            else:  # what exists before the step: weights, last step's gradients, AdamW state
+                self.tracker = MemTracker()
+                self.tracker.track_external(self.model, inner_optimizer(self.optimizer))
+            self.stack.enter_context(self.tracker)
+
+    def __enter__(self) -> "StepRecorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stack.close()
+
+
+def report_peaks(ui, record: StepRecorder, per_rank: dict) -> dict:
+    """Every rank's peak in the tracked step beside what it holds at rest (Step 6's table)."""
+    peak = {str(kind).split(".")[-1]: n for snap in record.tracker.get_tracker_snapshot("peak").values()
+            for kind, n in snap.items()}
+    mine = (peak["Total"], sum(per_rank["per_rank_bytes"].values()),
+            sum(n for k, n in peak.items() if k in ("ACT", "TEMP", "INP", "BUFFER", "OTH")))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    ui.table(f"Peak of one training step (step {record.peak_step + 1}), per rank: torch's MemTracker",
+             ["rank", "held at rest", "peak in the step", "peak / at rest",
+              "of it: made by the step"],
+             [[r, f"{rest:,}", f"{top:,}", f"{top / rest:.1f}x", f"{act:,}"]
+              for r, (top, rest, act) in enumerate(everyone)])
+    return {"peak_memory_bytes": mine[0], "peak_memory_bytes_all": [e[0] for e in everyone],
+            "peak_memory_step": record.peak_step + 1, "peak_memory_breakdown": peak}
