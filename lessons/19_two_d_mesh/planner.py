@@ -11,7 +11,8 @@ parallel (PP) and their combinations. Every formula is one the lessons taught:
         divides the 12 (or 8) by D, ZeRO-2 the gradients too, ZeRO-3 everything (lesson 15).
     data parallel (lessons 10, 15): all-reduce 2(D-1)/D of the gradients (DDP, and ZeRO-1/2:
         reduce-scatter + all-gather, (D-1)/D each); ZeRO-3 all-gathers the weights in forward
-        and again in backward and reduce-scatters the gradients: 3(D-1)/D.
+        and again in backward and reduce-scatters the gradients: 3(D-1)/D, in every
+        micro-batch (FSDP2 gathers and reduce-scatters each one: measured by lesson 23).
     tensor parallel (lesson 17): per block, two all-reduces of the activations (b, s, h) in
         forward and two in backward, 2(T-1)/T each, per micro-batch.
     pipeline parallel (lesson 18): each micro-batch's activations (b, s, h) go to the next
@@ -102,10 +103,10 @@ def comm(model: Model, lay: Layout, element: int = 2, group_bytes: list[float] |
     out = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
     if lay.zero < 3:
         out["dp"] = 2 * ring(lay.dp) * local
-    elif group_bytes:
-        out["dp"] = ring(lay.dp) * (3 * sum(group_bytes[:-1]) + 2 * group_bytes[-1])
+    elif group_bytes:  # ZeRO-3: every micro-batch gathers the weights again (lesson 23 measures)
+        out["dp"] = ring(lay.dp) * (3 * sum(group_bytes[:-1]) + 2 * group_bytes[-1]) * steps
     else:
-        out["dp"] = 3 * ring(lay.dp) * local
+        out["dp"] = 3 * ring(lay.dp) * local * steps
     out["tp"] = model.layers / lay.pp * 4 * 2 * ring(lay.tp) * act * steps
     out["pp"] = (2 if lay.pp > 2 else 1) * act * steps if lay.pp > 1 else 0.0  # a middle stage
     return out
