@@ -91,7 +91,8 @@ def train(plan, rank, device, group=None, log=None, ui=None, bar=None):
             bar.advance()
         if ui is not None and (step + 1) % log_every == 0:
             ui.print(f"step {step + 1:>4}/{plan.steps} | outer step {(step + 1) // plan.H:>3} | "
-                     f"loss {losses[step]:.4f} | {timer.rate((step + 1) * T.GLOBAL_BATCH // plan.world * T.SEQ):>9,.0f} tokens/s")
+                     + (f"loss {losses[step]:.4f}" if here[step] else "away        ") +
+                     f" | {timer.rate((step + 1) * T.GLOBAL_BATCH // plan.world * T.SEQ):>9,.0f} tokens/s")
     return model, losses, here
 
 

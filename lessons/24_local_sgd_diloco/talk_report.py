@@ -160,7 +160,7 @@ def dropout_cost(plan: D.Plan, held_out: float, log: CommLog, rank: int, device,
     back = _total(sum(c.sent_bytes for c in log.calls if c.kind == "send"))
     lost = plan.steps * T.GLOBAL_BATCH - plan.samples()
     ui.print(f"replica {plan.drop_rank} missed outer step {plan.drop_at}: its {plan.H} inner steps "
-             f"({lost:,} samples) never happened; the other {plan.world - 1} averaged what they had")
+             f"({lost:,} samples) never happened; that outer step averaged the {plan.world - 1} replica(s) present")
     ui.print(f"it came back with the outer weights{' and momentum' if plan.outer == 'nesterov' else ''} "
              f"from a peer: {back:,.0f} bytes in one send")
     ui.print(f"held-out loss: {held_out:.4f} with the drop-out, {without:.4f} without: the cost is "
