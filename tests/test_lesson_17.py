@@ -31,8 +31,12 @@ def ring(world: int, kind: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def lesson(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("lesson17")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("lesson17")
+
+
+@pytest.fixture(scope="module")
+def lesson(folder):
     proc = run_lesson("17", "--world-size", WORLD, "--impl", "dtensor", "--sequence-parallel",
                       "--steps", STEPS, "--device", "cpu", "--out", folder, timeout=300)
     state, metrics = load_run(folder)
@@ -104,6 +108,23 @@ def test_recording_the_printed_steps_gives_every_steps_numbers(lesson, worlds):
     every = worlds[WORLD][0]["dtensor sp=True"]["counts"]
     for key in ("per_step", "per_step_by_phase", "sent_bytes_by_phase", "per_block", "sent_bytes_per_block"):
         assert metrics["collectives"][key] == every[key], key
+
+
+def test_the_picture_is_drawn_from_the_blocks_collectives_in_order(lesson, folder):
+    """metrics.json keeps the last block's collectives of one step in order; pictures.py draws
+    docs/17's picture from them (here from this run)."""
+    _, _, metrics = lesson
+    calls = [(p, k) for p, k, _, _ in metrics["collectives"]["block_sequence"]]
+    sublayer = [("all_gather", "reduce_scatter")] * 2  # f_sp into attention, g_sp out; then the MLP
+    assert [k for p, k in calls if p == "forward"] == [k for pair in sublayer for k in pair]
+    assert [k for p, k in calls if p == "backward"] == [k for pair in sublayer for k in pair]
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (requirements.txt)")
+    import importlib.util  # by path: lesson 18's folder has a pictures.py too
+    spec = importlib.util.spec_from_file_location("lesson17_pictures", ROOT / "lessons" / "17_tensor_parallel" / "pictures.py")
+    pictures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pictures)
+    assert pictures.draw([folder], folder / "block.png").startswith("wrote")
+    assert (folder / "block.png").stat().st_size > 10_000
 
 
 def test_shows_the_sequence_parallel_mistake_and_its_fix(lesson):

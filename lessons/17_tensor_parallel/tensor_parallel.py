@@ -184,7 +184,8 @@ def report(log, steps: int, model, ui) -> dict:
     by phase (a table), and those of the last block (the first block also holds the way into
     the sequence split): what its modules issued in forward and backward, and its share of the
     sums after backward and in AdamW's step; printed; then show_split(model). Returns the
-    numbers for metrics.json: everything a step sends, DTensor's own collectives included."""
+    numbers for metrics.json: everything a step sends, DTensor's own collectives included, and
+    the last block's calls of one step in order (phase, kind, module, bytes sent: pictures.py)."""
     last = f".blocks.{T.N_BLOCKS - 1}"
     block = [c for c in log.calls if any(m.endswith(last) for m in c.modules)]
     phases, in_block = log.tally(lambda c: c.phase, steps), log.tally(lambda c: c.phase, steps, block)
@@ -207,6 +208,8 @@ def report(log, steps: int, model, ui) -> dict:
             "per_block": {p: kinds(in_block.get(p, {})) for p in PHASES},
             "data_bytes_per_block": {p: in_block.get(p, {}).get("data_bytes", 0) for p in PHASES},
             "sent_bytes_per_block": {p: in_block.get(p, {}).get("sent_bytes", 0.0) for p in PHASES},
+            "block_sequence": [[c.phase, c.kind, max(c.modules, key=len).removeprefix("Transformer."), c.sent_bytes]
+                            for c in block[:len(block) // steps]],  # one step's, in order: the picture
             "split_param_bytes": show_split(model, ui)}
 
 
