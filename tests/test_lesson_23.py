@@ -4,12 +4,14 @@ shows) and for the 1b model (the default, 128 x 8), and the --real trust check o
 ranks. Every byte and count the lesson wrote is checked against formulas worked out here from
 the model's shapes, and against lesson 19's planner; bad flags are refused before any work."""
 import math
+import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import import_lesson, load_run, parse_error, run_lesson
+from conftest import import_lesson, load_run, parse_error, run, run_lesson
 
 import fake_cluster as F  # lessons/23_cluster_on_a_laptop/ (conftest puts the lessons' folders on the path)
 import planner  # lessons/19_two_d_mesh/planner.py
@@ -20,6 +22,7 @@ RUNS = {  # name: (model, dp, tp, microbatches, real)
     "real-2": ("tiny", 2, 1, 2, True),
     "real-4": ("tiny", 2, 2, 1, True),
 }
+pytestmark = pytest.mark.timeout(900)  # the module fixture runs 4 jobs in one setup (about 45 s on 2 idle cores)
 COLWISE = ("attn.q", "attn.k", "attn.v", "mlp.fc")  # lesson 19's plan: rows split across tp
 ROWWISE = ("attn.proj.weight", "mlp.proj.weight")  # columns split across tp
 
@@ -30,7 +33,7 @@ def runs(tmp_path_factory):
         model, dp, tp, m, real = RUNS[name]
         folder = tmp_path_factory.mktemp(f"lesson23-{name}")
         proc = run_lesson("23", "--model", model, "--world-size", dp * tp, "--tp", tp, "--microbatches", m,
-                          *(["--real"] if real else []), "--out", folder, timeout=300)
+                          *(["--real"] if real else []), "--out", folder, timeout=800)
         return name, (proc.stdout, load_run(folder)[1])
 
     with ThreadPoolExecutor(len(RUNS)) as pool:  # most of each run is one process: overlap them
@@ -133,7 +136,6 @@ def test_mem_tracker_peak_under_fake_tensors_is_not_the_real_peak(runs):
 
 def test_steps_and_private_api_note(runs):
     out, metrics = runs["tiny-1024"]
-    import re
     assert [int(n) for n in re.findall(r"^Step (\d+):", out, re.M)] == list(range(1, 8))
     assert "PRIVATE API" in out and f"checked on torch {F.CHECKED_ON}" in out
     assert metrics["checked_on"] == F.CHECKED_ON and metrics["backend"] == "fake"
@@ -153,3 +155,15 @@ def test_steps_and_private_api_note(runs):
 def test_bad_flags_are_refused_in_one_line(flags, words, monkeypatch, capsys):
     line = parse_error(import_lesson("23"), flags, monkeypatch, capsys)
     assert words in line, line
+
+
+def test_a_mesh_built_inside_fake_tensor_mode_fails():
+    """Step 2's rule: the mesh reads numbers out of its tensor of ranks; a fake one has none."""
+    script = ("import torch.distributed as dist\n"
+              "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+              "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+              "dist.init_process_group('fake', rank=0, world_size=4, store=FakeStore())\n"
+              "with FakeTensorMode():\n"
+              "    dist.init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp'))\n")
+    proc = run([sys.executable, "-c", script], check=False, timeout=120)
+    assert proc.returncode != 0 and "DataDependentOutputException" in proc.stderr, proc.stderr[-2000:]

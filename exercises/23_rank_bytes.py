@@ -1,0 +1,31 @@
+"""Exercise 23: the bytes rank 0 holds, worked out before any rank exists.
+
+Lesson 23 measured them on rank 0 of a fake process group; lesson 19's planner divides the
+parameter count evenly by dp x tp. Work them out from the shapes alone:
+
+    shapes   {name: shape} of the whole model's parameters, e.g. "blocks.0.attn.q.weight": (64, 64)
+    dp, tp   the mesh: dp ranks across the data (FSDP2), tp across each block (tensor parallel)
+    returns  the fp32 bytes of the parameters rank 0 holds (an int)
+
+What happens to each parameter, in lesson 19's order:
+  1. tensor parallel: ColwiseParallel splits dim 0 of attn.q, attn.k, attn.v and mlp.fc (weight
+     and bias) into tp parts; RowwiseParallel splits dim 1 of attn.proj.weight and
+     mlp.proj.weight; every other parameter (embeddings, norms, the head, the two proj biases)
+     stays whole on every tp rank.
+  2. FSDP2 splits dim 0 of what a rank then holds into dp chunks, as torch.chunk does: rank 0
+     gets ceil(rows / dp) rows (a tensor of 3 rows on 4 ranks: one row each for ranks 0-2).
+
+Below, the planner's even division: right to 0.00% for the 1b model on 1,024 ranks, wrong for
+the tiny one. Make it right for both.
+Hint: lesson 23, Step 6 (the planner's table), and docs/23_cluster_on_a_laptop.md, Step 3.
+
+Check it:  make check-23   (the tiny model on a 2 x 2 mesh and on a 256 x 4 one, against lesson
+                            23's own measurement under the fake process group)
+"""
+import math
+
+
+def rank0_bytes(shapes: dict[str, tuple[int, ...]], dp: int, tp: int) -> int:
+    total = sum(math.prod(shape) for shape in shapes.values())
+    # TODO: not every parameter is split by tp, and FSDP2 gives rank 0 ceil(rows / dp) rows.
+    return round(4 * total / (dp * tp))
