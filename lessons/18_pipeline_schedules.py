@@ -5,7 +5,7 @@ Parent: lesson 13 (lessons/13_transformer_memory.py)
 New since lesson 13 (grown out of lesson 04's hand-made pipeline): the transformer cut into
 stages on P processes, run by torch.distributed.pipelining on M micro-batches per batch with
 GPipe, 1F1B, Interleaved1F1B or a zero-bubble schedule. Each schedule's timeline, drawn from
-the actions it ran; its idle time (the bubble) beside (p-1)/(m+p-1); the micro-batches a
+the actions it ran; its idle time (the bubble) beside (p-1)/(v·m+p-1); the micro-batches a
 stage holds at once, which is the memory a schedule costs. It ends with lesson 13's weights.
 
 Kept from lesson 13: its recipe, data, loop and evaluation; its memory steps stay there.
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining as pp
 
-from pipeline import Recorder, check_flags, describe, metrics_of, show_schedule, summary_table
+from pipeline import Recorder, check_flags, describe, metrics_of, show_schedule, show_summary
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
@@ -192,7 +192,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         with Recorder(st) as rec:  # which action ran when, what each stage held (pipeline.py)
             sched.step(x, target=y)
         runs[name] = show_schedule(ui, name, rec, world, args.microbatches, folder)
-    ui.table(*summary_table(runs, world, args.microbatches))
+    show_summary(ui, runs, world, args.microbatches)
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
         return

@@ -5,12 +5,16 @@
   number of micro-batches whose activations the stage holds (torch's own bookkeeping:
   `stage.fwd_cache`, filled by a forward and emptied by the backward; for a zero-bubble
   schedule also `stage.backward_state`, kept from the input-gradient step "I" until the
-  weight-gradient step "W").
-* timeline(actions): when each action would run if every forward took 1 unit of time, a
-  full backward 2, and its two halves I and W 1 each: each rank runs its own list in order
-  and waits for the stage before it (forward) or after it (backward). Communication is free.
-* idle_fraction, bubble_formula: the share of rank-time spent waiting, and (p-1)/(m+p-1).
-* draw(timeline) for the terminal; save_png(timeline, path) when matplotlib is installed.
+  weight-gradient step "W"), and which of them hold no piece of the model (`rec.empty`).
+* timeline(actions, empty): when each action would run if every forward took 1 unit of time,
+  a full backward 2, and its two halves I and W 1 each, except on a stage that holds nothing
+  and only passes its input on: its actions take no time. Each rank runs its own list in
+  order and waits for the stage before it (forward) or after it (backward). Communication
+  is free.
+* idle_fraction, bubble_formula: the share of rank-time spent waiting, and (p-1)/(v·m+p-1)
+  (v stages per rank: 1 for GPipe and 1F1B, 2 for interleaved 1F1B).
+* draw(timeline) for the terminal; save_png(timeline, path) when matplotlib is installed (plot
+  draws one timeline on matplotlib axes: pictures.py draws the docs' figure with it).
 * show_schedule, summary_table, metrics_of, describe: what lesson 18 prints and saves.
 * check_flags / flag_error: the rule lesson 18's flags must follow (one clear line if not).
 """
@@ -28,6 +32,8 @@ class Recorder:
         self.stages = list(stages)
         self.actions: list[tuple[int, str, int]] = []  # (stage, kind, micro-batch), in order
         self.peak_inflight = {s.stage_index: 0 for s in self.stages}
+        # a stage without parameters holds no piece of the model: it passes its input on
+        self.empty = {s.stage_index for s in self.stages if not any(True for _ in s.submod.parameters())}
 
     def _held(self, stage) -> int:
         return len(set(stage.fwd_cache) | set(stage.backward_state))
@@ -62,8 +68,9 @@ class Recorder:
         return False
 
 
-def timeline(actions: dict[int, list[tuple[int, str, int]]]) -> list[tuple[int, int, int, tuple]]:
-    """[(rank, start, end, (stage, kind, micro-batch))] for each rank's actions, in unit times."""
+def timeline(actions: dict[int, list[tuple[int, str, int]]], empty=frozenset()) -> list[tuple[int, int, int, tuple]]:
+    """[(rank, start, end, (stage, kind, micro-batch))] for each rank's actions, in unit times.
+    The actions of the stages in `empty` (they pass their input on) take no time."""
     last_stage = max(s for acts in actions.values() for s, _, _ in acts)
     done: dict[tuple, int] = {}  # (stage, kind, mb) -> end time
     free = {rank: 0 for rank in actions}
@@ -85,7 +92,7 @@ def timeline(actions: dict[int, list[tuple[int, str, int]]]) -> list[tuple[int, 
                 if needs and not ready:
                     break  # waits for another rank: try the others first
                 start = max([free[rank], *ready])
-                end = start + COST[kind]
+                end = start + (0 if stage in empty else COST[kind])
                 done[(stage, kind, mb)] = free[rank] = end
                 out.append((rank, start, end, (stage, kind, mb)))
                 todo[rank].pop(0)
@@ -103,9 +110,15 @@ def idle_fraction(tl) -> float:
     return 1 - busy / (len(ranks) * makespan)
 
 
-def bubble_formula(p: int, m: int) -> float:
-    """GPipe's and 1F1B's idle fraction: (p-1)/(m+p-1) (p stages, m micro-batches)."""
-    return (p - 1) / (m + p - 1)
+def bubble_formula(p: int, m: int, v: int = 1) -> float:
+    """The idle fraction of GPipe and 1F1B, (p-1)/(m+p-1) (p ranks, m micro-batches), and of
+    interleaved 1F1B, (p-1)/(v·m+p-1) with v equal stages per rank: the Megatron-LM paper's
+    (Narayanan et al., 2021, section 2.2.2) bubble of (1/v)·(p-1)/m of the ideal time, as a
+    share of the whole, bubble / (ideal + bubble)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+FORMULA_V = {"gpipe": 1, "1f1b": 1, "interleaved": 2}  # stages per rank; zero-bubble: no formula here
 
 
 def draw(tl) -> list[str]:
@@ -120,6 +133,20 @@ def draw(tl) -> list[str]:
     return [f"rank {r} | " + " ".join(cells) for r, cells in sorted(rows.items())]
 
 
+def plot(ax, tl, title: str) -> None:
+    """One timeline on matplotlib axes: a bar per action, one row per rank (as draw() does)."""
+    colours = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+    ranks = sorted({r for r, *_ in tl})
+    for rank, start, end, (s, k, m) in tl:
+        if end > start:  # a pass-through stage's actions take no time: nothing to draw
+            ax.broken_barh([(start, end - start)], (rank - 0.4, 0.8), facecolors=colours[k], edgecolor="white")
+            ax.text((start + end) / 2, rank, f"{s}{k}{m}", ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylim(max(ranks) + 0.5, min(ranks) - 0.5)  # rank 0 on top
+    ax.set_xlabel("time (a forward = 1 unit)")
+    ax.set_title(title, loc="left", fontsize=10)
+
+
 def save_png(tl, path: Path, title: str) -> str:
     """Draw the timeline into a PNG; returns what happened, for the lesson to print."""
     try:
@@ -128,16 +155,9 @@ def save_png(tl, path: Path, title: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed, so no PNG (make venv installs it: requirements.txt)"
-    colours = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
-    ranks = sorted({r for r, *_ in tl})
+    ranks = {r for r, *_ in tl}
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * max(e for _, _, e, _ in tl)), 0.6 * len(ranks) + 1))
-    for rank, start, end, (s, k, m) in tl:
-        ax.broken_barh([(start, end - start)], (rank - 0.4, 0.8), facecolors=colours[k], edgecolor="white")
-        ax.text((start + end) / 2, rank, f"{s}{k}{m}", ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (a forward = 1 unit)")
-    ax.set_title(title)
+    plot(ax, tl, title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -158,13 +178,15 @@ def describe(stages, parts) -> str:
 
 def show_schedule(ui, name: str, rec: Recorder, world: int, microbatches: int, folder: Path):
     """Gather every rank's recorded actions, draw the timeline (terminal, and a PNG on rank 0),
-    return (idle fraction, [peak micro-batches held by each stage])."""
+    return (idle fraction, [peak micro-batches held by each stage], [stages that hold nothing],
+    the timeline)."""
     import torch.distributed as dist
 
     every: list = [None] * world
-    dist.all_gather_object(every, (rec.actions, rec.peak_inflight))
-    tl = timeline({rank: actions for rank, (actions, _) in enumerate(every)})
-    peak = {stage: n for _, held in every for stage, n in held.items()}
+    dist.all_gather_object(every, (rec.actions, rec.peak_inflight, rec.empty))
+    empty = sorted(set().union(*(e for *_, e in every)))
+    tl = timeline({rank: actions for rank, (actions, *_) in enumerate(every)}, empty)
+    peak = {stage: n for _, held, _ in every for stage, n in held.items()}
     n, s = len(peak), lambda k, end="s": end if k > 1 else ""  # 1 stage, 2 stages
     ui.print(f"\n[bold]{name}[/bold]: {n} stage{s(n)} on {world} rank{s(world)}, "
              f"{microbatches} micro-batch{s(microbatches, 'es')}")
@@ -173,26 +195,47 @@ def show_schedule(ui, name: str, rec: Recorder, world: int, microbatches: int, f
     if ui.is_main:
         ui.print(save_png(tl, Path(folder) / f"timeline-{name}.png", f"{name}: P={world}, M={microbatches}"),
                  markup=False)
-    return idle_fraction(tl), [peak[s] for s in sorted(peak)]
+    return idle_fraction(tl), [peak[s] for s in sorted(peak)], empty, tl
+
+
+def formula_of(name: str, world: int, microbatches: int) -> float | None:
+    """The schedule's idle fraction by formula, None for zero-bubble (no closed form here)."""
+    v = FORMULA_V.get(name)
+    return bubble_formula(world, microbatches, v) if v else None
+
+
+def show_summary(ui, runs: dict, world: int, microbatches: int) -> None:
+    """Every schedule's idle time beside its formula, and its peaks; then the stages that hold
+    nothing, if any (4 ranks: 8 stages for the model's 4 pieces)."""
+    title, columns, rows, note = summary_table(runs, world, microbatches)
+    ui.table(title, columns, rows)
+    if note:
+        ui.print(note)
 
 
 def summary_table(runs: dict, world: int, microbatches: int):
-    """(title, columns, rows) for ui.table: every schedule's idle time and peaks."""
-    rows = []
-    for name, (idle, peaks) in runs.items():
-        formula = f"{bubble_formula(world, microbatches):.1%}" if name in ("gpipe", "1f1b") else "-"
+    """(title, columns, rows, note): the table show_summary prints, and the line under it."""
+    rows, empty = [], set()
+    for name, (idle, peaks, none_held, _) in runs.items():
+        v, f = FORMULA_V.get(name), formula_of(name, world, microbatches)
+        formula = f"{f:.1%} = (p-1)/({'' if v == 1 else v}m+p-1)" if f is not None else "-"
         rows.append([name, f"{idle:.1%}", formula, " ".join(map(str, peaks))])
+        empty |= set(none_held)
+    note = (f"stages {', '.join(map(str, sorted(empty)))} hold nothing (they pass their input on, in no "
+            f"time): a rank has not the v = 2 equal stages interleaved's formula assumes" if empty else "")
     return (f"Idle time and micro-batches held at once, P={world} ranks, M={microbatches}",
-            ["schedule", "idle (timeline)", "(p-1)/(m+p-1)", "peak held, stage 0 1 ..."], rows)
+            ["schedule", "idle (timeline)", "by formula", "peak held per stage"], rows, note)
 
 
 def metrics_of(runs: dict, schedule: str, world: int, microbatches: int) -> dict:
     """The keys lesson 18 adds to metrics.json."""
-    idle, peaks = runs[schedule]
+    idle, peaks, *_ = runs[schedule]
     return {"schedule": schedule, "microbatches": microbatches, "bubble_fraction": idle,
-            "bubble_formula": bubble_formula(world, microbatches), "peak_inflight_microbatches": peaks,
-            "schedules": {n: {"bubble_fraction": b, "peak_inflight_microbatches": p}
-                          for n, (b, p) in runs.items()}}
+            "bubble_formula": formula_of(schedule, world, microbatches), "peak_inflight_microbatches": peaks,
+            "schedules": {n: {"bubble_fraction": b, "bubble_formula": formula_of(n, world, microbatches),
+                              "peak_inflight_microbatches": p, "pass_through_stages": e,
+                              "timeline": [[r, start, end, f"{s}{k}{i}"] for r, start, end, (s, k, i) in tl]}
+                          for n, (b, p, e, tl) in runs.items()}}
 
 
 def check_flags(world: int, microbatches: int, global_batch: int) -> None:
