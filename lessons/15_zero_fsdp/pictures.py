@@ -47,7 +47,7 @@ def draw_stages(metrics: dict, to: Path) -> Path:
               ("ZeRO-2: + gradients", {**held["zero1"], "gradients": held["zero1"]["gradients"] / world},
                " (formula)"),
               ("ZeRO-3 / FSDP2: + weights", held["fsdp"], "")]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.6), gridspec_kw={"width_ratios": [1, 1.15]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 1.15]})
     for y, (label, parts, note) in enumerate(reversed(stages)):
         x = 0.0
         for key, color in HELD.items():
@@ -58,7 +58,7 @@ def draw_stages(metrics: dict, to: Path) -> Path:
     left.set_yticks(range(len(stages)), [s[0] for s in reversed(stages)], fontsize=8)
     left.set_xlabel(f"MiB rank 0 holds at rest, {world} ranks (measured from its tensors)")
     left.set_xlim(0, _mib(16 * metrics["ddp"]["per_rank_bytes_all"][0]["measured"]["parameters"] / 4) * 1.35)
-    left.legend(fontsize=7, loc="lower right")
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, frameon=False)
     names = [("ddp", "DDP"), ("zero1", "ZeRO-1"), ("fsdp", "FSDP2")]
     for y, (name, label) in enumerate(reversed(names)):
         rest = sum(held[name].values())
@@ -70,7 +70,7 @@ def draw_stages(metrics: dict, to: Path) -> Path:
     right.set_yticks(range(len(names)), [label for _, label in reversed(names)], fontsize=8)
     right.set_xlabel(f"MiB at the peak of one training step, rank 0 (torch's MemTracker)")
     right.set_xlim(0, _mib(max(m["peak_memory_bytes"] for m in metrics.values())) * 1.2)
-    right.legend(fontsize=7, loc="lower right")
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
     fig.suptitle(f"Lesson 15 on {world} ranks: each ZeRO stage shards one more row of lesson 13's "
                  f"table; the peak of a step also holds what the batch makes, which sharding leaves as it is",
                  fontsize=9)
@@ -85,22 +85,22 @@ def draw_timeline(metrics: dict, to: Path) -> Path:
     events = metrics["fsdp_timeline"]
     groups = sorted({g for *_, g in events}, key=lambda g: (g != "root", g), reverse=True)
     fig, ax = plt.subplots(figsize=(12, 0.8 * len(groups) + 1.4))
-    seen = set()
+    seen, shortest = set(), max(end for _, end, *_ in events) / 200  # drawn at least this wide
     for start, end, what, group in events:
         y = groups.index(group)
         compute = what in ("forward", "backward")
-        ax.barh(y + (0.0 if compute else 0.22), max(end - start, 0.05), left=start,
+        ax.barh(y + (0.0 if compute else 0.22), max(end - start, shortest), left=start,
                 height=0.5 if compute else 0.3, color=KINDS.get(what, "black"),
                 label=None if what in seen else what.replace("_", "-"), zorder=1 if compute else 2)
         seen.add(what)
     ax.set_yticks(range(len(groups)), groups)
-    ax.set_xlabel("milliseconds from the step's first hook, rank 0 (CPU, gloo: the order is the "
-                  "lesson's, the durations this machine's)")
+    ax.set_xlabel("ms from the step's first hook, rank 0. CPU and gloo: the order is the lesson's, the "
+                  "durations this machine's; a collective's bar includes waiting for the other rank", fontsize=8)
     world = metrics["world_size"]
     ax.set_title(f"FSDP2 on {world} ranks, one training step: each block all-gathered before its forward "
                  f"and again (prefetched) before its backward, reduce-scattered after it; the root "
                  f"gathered once", fontsize=9)
-    ax.legend(fontsize=7, ncol=4, loc="upper left")
+    ax.legend(fontsize=7, ncol=4, loc="lower right")
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()
     return _save(fig, to)

@@ -10,7 +10,7 @@ sent per step, and the peak of one step.
 * FSDPStory: records FSDP2's own debug markers (pre_forward, pre_backward, post_backward,
   per module) and its backward prefetches, so that each collective CommLog saw can be shown
   under the group it served.
-* StepRecorder: CommLog on the logged steps only, torch's MemTracker (FSDPMemTracker under
+* StepRecorder: CommLog on the printed steps only, torch's MemTracker (FSDPMemTracker under
   FSDP2) on the last of them; report_peaks: every rank's peak beside what it holds at rest.
 * report_comm: the bytes this rank sent per step (CommLog) beside the ring formula
   (apparatus/sharding.py's comm_formula) and beside DDP's, and for fsdp the story table.
@@ -145,8 +145,9 @@ class FSDPStory:
 
 class DropIn(torch.optim.Optimizer):
     """The plumbing of an optimizer that steps an inner one (self.optim: this rank's shard),
-    as torch's ZeroRedundancyOptimizer does (torch/distributed/optim/zero_redundancy_optimizer.py:
-    _sync_param_groups before and after each inner step). One parameter group."""
+    as torch's ZeroRedundancyOptimizer does it (torch/distributed/optim/
+    zero_redundancy_optimizer.py: _sync_param_groups around each inner step). One parameter
+    group: the constructor's flat list."""
 
     def adopt(self, inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """self.optim = inner, sharing its state; the outer group (what a scheduler and the
@@ -232,8 +233,8 @@ class StepRecorder:
     """with StepRecorder(log, model, optimizer, steps, every) as record: ... record.at(step) ...
 
     A TorchDispatchMode sees every op, so it slows every step it watches: CommLog records
-    the printed steps only, every `every`-th (each step of a strategy sends the same; torch's
-    DDP sends more in its first two, then every step alike), and torch's MemTracker
+    the printed steps only, every `every`-th (each step of a strategy sends the same, but for
+    torch's DDP's first two: one bucket, then two small broadcasts), and torch's MemTracker
     (torch/distributed/_tools/mem_tracker.py; FSDPMemTracker for FSDP2, which also sees its
     all-gather and reduce-scatter buffers) follows the last of them, from its forward to the
     end of its optimizer step: the peak of one training step, activations included, on top
