@@ -8,11 +8,12 @@ each of DDP's bucket all-reduces ran, how much of it hid behind backward, and ho
 split into communication and computation. The flight recorder keeps the last collectives
 of every rank; with --skip-rank one rank stops training early, the others wait for it until
 the timeout, every rank dumps its recorder, and the lesson names the collective, its
-sequence number and the rank that never arrived. Training still ends on lesson 01's weights.
+sequence number and the rank that never arrived. Ends on lesson 01's weights; --fsdp traces FSDP2.
 
 Run:
     make lesson-20                                   # 2 ranks, traces in runs/lesson-20/
     make lesson-20 ARGS="--skip-rank 1 --timeout 10" # a rank skips a collective: diagnose it
+    make lesson-20 ARGS="--fsdp"                     # and a trace of FSDP2, block by block
     .venv/bin/python lessons/20_observability.py --epochs 1
 
 Doc: docs/20_observability.md
@@ -35,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, schedule
 from torch.utils.data import DataLoader, DistributedSampler
 
+import fsdp
 import traces as trace
 from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, run
@@ -54,6 +56,7 @@ def parse_args():
     parser.add_argument("--skip-rank", type=nonnegative_int, default=None,
                         help="make this rank stop training early (the flight recorder names it)")
     parser.add_argument("--skip-at-step", type=nonnegative_int, default=5, help="stop before this step")
+    parser.add_argument("--fsdp", action="store_true", help="also trace FSDP2 on lesson 13's transformer")
     parser.set_defaults(timeout=15.0)  # a skipped collective fails after this, not after 60 s
     args = parser.parse_args()
     n = args.world_size
@@ -129,7 +132,7 @@ def worker(rank: int, world_size: int, args, kind: str, folder) -> None:
 def dump_flight_recorder(rank: int) -> None:
     """This rank's recorder as JSON (the pickle form is for torch's own fr_trace tool)."""
     c10d = torch._C._distributed_c10d  # private, but it is what the watchdog and fr_trace use
-    dump = c10d._dump_nccl_trace_json if dist.get_backend() == "nccl" else c10d._dump_fr_trace_json
+    dump = c10d._dump_nccl_trace_json if "nccl" in dist.get_backend() else c10d._dump_fr_trace_json
     path = trace.dump_path(os.environ["TORCH_FR_DUMP_TEMP_FILE"], rank)
     atomic_write(path, lambda f: f.write(dump(True, False)))  # whole or absent: spawn() may stop us next
 
@@ -148,7 +151,7 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
     # instead of guessing the device at the first collective.
     ui.step(2, "Join the process group")
     device = rank_device(kind, rank)  # one GPU per rank: cuda:<rank>, or the CPU
-    backend = backend_for(device)     # nccl for GPUs, gloo for CPU tensors
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else backend_for(device)  # GPUs: gloo too, for CPU tensors
     if device.type == "cuda":
         torch.cuda.set_device(device)  # so that NCCL and `cuda` without an index mean our GPU
     timeout = datetime.timedelta(seconds=args.timeout)
@@ -226,6 +229,8 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
                     ui.log(epoch + 1, len(losses), steps, losses[-1],
                            timer.rate(len(losses) * recipe.GLOBAL_BATCH))
     wall = timer.seconds
+    if args.fsdp:  # the same profiler on FSDP2: lesson 13's transformer, sharded as lesson 15 does
+        fsdp.trace(rank, world_size, device, folder, args.seed)
 
     # Step 6: Save on rank 0, then wait at a monitored barrier
     # All ranks hold the same weights, so one file is enough: rank 0 writes it. Every rank
@@ -248,9 +253,9 @@ def train(rank: int, world_size: int, args, kind: str, folder) -> None:
         ui.print(f"same weights as one device? max |w_ddp - w_lesson01| = [bold]{diff:.1e}[/bold] "
                  + ("(yes: the only difference is float sums added in another order)" if diff <= 1e-4
                     else "(NO: something differs from lesson 01's recipe)"))
-    # Nobody reads final.pt before rank 0 has finished writing it. monitored_barrier (gloo
-    # only) is a barrier that names, on a timeout, the ranks that never arrived.
-    dist.monitored_barrier(timeout=timeout, wait_all_ranks=True) if backend == "gloo" else dist.barrier()
+    # Nobody reads final.pt before rank 0 has finished writing it. monitored_barrier (CPU
+    # backends only: gloo) is a barrier that names, on a timeout, the ranks that never arrived.
+    dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
     if rank != 0:
         saved = torch.load(folder / "final.pt", weights_only=True)
         ui.say_all(f"read rank 0's final.pt after the barrier: max diff to my own weights "
@@ -277,6 +282,7 @@ def read_back(ui, args, folder) -> None:
     # step, when backward ran and when each all-reduce ran on the backend's own threads.
     ui.step(8, "Read the trace")
     trace.report_traces(ui, folder, args.world_size)  # lessons/20_observability/traces.py: the tables
+    fsdp.report(ui, folder, args.world_size)  # --fsdp: each block's all-gathers, reduce-scatter, compute
 
     # Step 9: Read the flight recorder
     # Every rank dumped its recorder (at the end, or when a collective timed out). Ranks

@@ -1,8 +1,9 @@
 """Lesson 20: the profiler's traces and the flight recorder's dumps say what the lesson prints.
 
-Two runs, started together and shared by every test (module fixture): a normal one (1 epoch)
-and one where rank 1 stops early (--skip-rank 1) with a 5 s timeout. The tests read the
-traces and the dumps themselves, with their own few lines of code, and compare.
+Two runs, started together and shared by every test (module fixture): a normal one (1 epoch,
+with --fsdp: it also traces FSDP2) and one where rank 1 stops early (--skip-rank 1) with a 5 s
+timeout. The tests read the traces and the dumps themselves, with their own few lines of code,
+and compare.
 """
 import json
 import re
@@ -10,6 +11,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from common import recipe
 from conftest import (import_lesson, lesson_path, load_run, max_abs_diff, parse_error,
@@ -20,19 +22,25 @@ SKIP_TIMEOUT = 5
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both runs at once (threads), each line of output with the second it appeared."""
+    """Both runs at once (threads), each line of output with the second it appeared; lesson 01's
+    weights, computed meanwhile (the skip run spends most of its time waiting for its timeout)."""
     base = tmp_path_factory.mktemp("lesson20")
-    flags = {"normal": ["--epochs", "1"],
+    flags = {"normal": ["--epochs", "1", "--fsdp"],
              "skip": ["--epochs", "1", "--skip-rank", "1", "--timeout", str(SKIP_TIMEOUT)]}
     done = {}
 
     def one(name):
-        cmd = [sys.executable, str(lesson_path("20")), "--out", str(base / name), *flags[name]]
-        rc, lines, err = run_with_line_times(cmd, timeout=150)
+        # 120 columns, as run() gives: on a busy machine the FSDP2 table's times grow wide
+        cmd = ["env", "COLUMNS=120", sys.executable, str(lesson_path("20")), "--out", str(base / name), *flags[name]]
+        rc, lines, err = run_with_line_times(cmd, timeout=300)
         done[name] = {"rc": rc, "lines": lines, "out": "".join(line for _, line in lines[:-1]),
                       "err": err, "folder": base / name}
 
+    def reference():
+        done["reference"] = recipe.train_reference(epochs=1)
+
     threads = [threading.Thread(target=one, args=(name,)) for name in flags]
+    threads.append(threading.Thread(target=reference))
     for t in threads:
         t.start()
     for t in threads:
@@ -44,7 +52,7 @@ def test_normal_run_ends_on_lesson_01s_weights(runs):
     run = runs["normal"]
     assert run["rc"] == 0, run["err"][-3000:]
     state, metrics = load_run(run["folder"])
-    assert max_abs_diff(state, recipe.train_reference(epochs=1)) <= 1e-4
+    assert max_abs_diff(state, runs["reference"]) <= 1e-4
     assert metrics["lesson"] == "20" and metrics["max_abs_diff_vs_single_device"] <= 1e-4
     assert "every rank recorded the same" in run["out"] and "nobody is missing" in run["out"]
 
@@ -89,6 +97,38 @@ def test_each_rank_wrote_a_trace_and_the_printed_numbers_come_from_it(runs):
                 assert sorted(int(r[1].replace(",", "")) for r in rows) == [324, 1088, 4096]
 
 
+def test_fsdp_trace_shows_each_blocks_gathers_and_reduce_scatter_beside_its_compute(runs):
+    """--fsdp: per block two all-gathers (before forward, before backward) and one
+    reduce-scatter, read from FSDP2's own labels; the printed cells are the trace's times."""
+    run = runs["normal"]
+    assert run["rc"] == 0, run["err"][-3000:]
+    table = run["out"].split("rank 0, FSDP2, ")[1].split("rank 0, FSDP2, ")[0]
+    rows = {r[0]: r[1:] for r in re.findall(r"│ (root|blocks\.\d) +│ (\S+) +│ (\S+) +│ (\S+) +│ (\S+) +│ (\S+) +│", table)}
+    assert list(rows) == ["root", "blocks.0", "blocks.1"], table
+    for rank in (0, 1):
+        path = run["folder"] / f"fsdp_trace_rank{rank}.json"
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        step = next(e for e in events if e["name"].startswith("ProfilerStep#"))  # one active step
+        main, t0 = step["tid"], step["ts"]
+        inside = [e for e in events if t0 <= e["ts"] < t0 + step["dur"]]
+        named = lambda name: sorted((e for e in inside if e["tid"] == main and e["name"] == name),  # noqa: E731
+                                    key=lambda e: e["ts"])
+        for block in ("blocks.0", "blocks.1"):
+            assert len(named(f"FSDP::all_gather ({block})")) == 2  # freed after forward: gathered again
+            assert len(named(f"FSDP::post_backward_reduce ({block})")) == 1
+        assert len(named("FSDP::all_gather")) == 1  # the root is kept gathered from forward to backward
+        # what ran on gloo's threads: 5 all-gathers, and the 3 reduce-scatters as all-reduces
+        off_main = [e["name"] for e in inside if e["tid"] != main and e["name"].startswith("gloo:")]
+        assert (off_main.count("gloo:all_gather"), off_main.count("gloo:all_reduce")) == (5, 3), off_main
+        assert f"rank {rank}, FSDP2, {step['name']}: all-gathers and reduce-scatters" in run["out"]
+        if rank == 0:  # block 0's forward: weights in place (copy-out ends) -> its post-forward hook
+            copied = named("FSDP::all_gather_copy_out (blocks.0)")[0]
+            start = round((copied["ts"] + copied["dur"] - t0) / 1000, 3)  # µs -> ms, as printed
+            end = round((named("FSDP::post_forward (blocks.0)")[0]["ts"] - t0) / 1000, 3)
+            assert rows["blocks.0"][1] == f"{start:.1f}-{end:.1f}", rows
+            assert rows["root"][1:4] == ("-", "-", "-")  # the root's hooks wrap the whole model
+
+
 def test_a_rank_that_skips_a_collective_is_named_from_the_dumps(runs):
     run = runs["skip"]
     assert run["rc"] == 1, run["err"][-3000:]
@@ -111,6 +151,17 @@ def test_a_rank_that_skips_a_collective_is_named_from_the_dumps(runs):
     assert run["err"].strip().splitlines()[-1].startswith("error: rank ")
     # rank 1 waited at monitored_barrier, which reports that rank 0 never answered
     assert "monitoredBarrier" in run["err"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: one process group with NCCL and gloo")
+def test_on_gpus_one_group_serves_nccl_and_the_monitored_barrier(tmp_path):
+    """On GPUs the group is cpu:gloo,cuda:nccl: training on NCCL, monitored_barrier on gloo,
+    with no second group; the run ends on lesson 01's weights."""
+    rc, lines, err = run_with_line_times([sys.executable, str(lesson_path("20")), "--device", "cuda",
+                                          "--epochs", "1", "--out", str(tmp_path)], timeout=300)
+    assert rc == 0, err[-3000:]
+    state, metrics = load_run(tmp_path)
+    assert metrics["backend"] == "cpu:gloo,cuda:nccl" and metrics["max_abs_diff_vs_single_device"] <= 1e-4
 
 
 @pytest.mark.parametrize("flags, expect", [(["--skip-rank", "0"], "from 1 to 1"),

@@ -258,5 +258,5 @@ def report_recorder(ui, prefix: str, world_size: int) -> dict:
 
 def clear(folder: Path) -> None:
     """Delete an earlier run's traces and dumps from the run folder."""
-    for old in [*Path(folder).glob("fr_rank_*"), *Path(folder).glob("trace_rank*.json")]:
+    for old in [*Path(folder).glob("fr_rank_*"), *Path(folder).glob("*trace_rank*.json")]:
         old.unlink()
