@@ -72,28 +72,28 @@ def main() -> None:
     warnings.filterwarnings("ignore", "FSDP2-wrapped module")  # our logits are a view, as in lesson 19
     ui.print(f"rank {dist.get_rank()} of {dist.get_world_size():,}, backend {dist.get_backend()!r}, "
              f"process {os.getpid()}: the only one")
-    fake = worker(0, args.world_size, args, ui)
+    fake, plan, worst = worker(0, args.world_size, args, ui)
     if not args.real:
-        return finish(ui, args, folder, fake)
+        return finish(ui, args, folder, fake, plan, worst)
     ui.pause(next_step=(7, "Run the same code on real gloo ranks, compare, save the results"))
     dist.destroy_process_group()  # the fake group: the real ranks start their own
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)),
                       PYTHONWARNINGS="ignore:FSDP2-wrapped module")  # our logits are a view
-    spawn(real_rank, args=(args.world_size, args, folder, fake), nprocs=args.world_size)
+    spawn(real_rank, args=(args.world_size, args, folder, (fake, plan, worst)), nprocs=args.world_size)
 
 
-def real_rank(rank: int, world: int, args, folder: Path, fake: dict) -> None:
+def real_rank(rank: int, world: int, args, folder: Path, fake: tuple) -> None:
     """The same worker() on one of W real gloo processes (--real); rank 0 compares and saves."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     init_from_env("gloo", args.timeout)
     torch.set_num_threads(1)
-    real = worker(rank, world, args, UI(rank=-1))  # -1: silent; the fake run told the steps
+    real, _, _ = worker(rank, world, args, UI(rank=-1))  # -1: silent; the fake run told the steps
     if rank == 0:
-        finish(UI(step_mode=args.step), args, folder, fake, real)
+        finish(UI(step_mode=args.step), args, folder, *fake, real)
     teardown()
 
 
-def worker(rank: int, world: int, args, ui: UI) -> dict:
+def worker(rank: int, world: int, args, ui: UI) -> tuple[dict, dict, float]:
     fake = dist.get_backend() == "fake"
     size = args.size
 
@@ -161,13 +161,12 @@ def worker(rank: int, world: int, args, ui: UI) -> dict:
     per_rank = R.measure(log, mesh, held, peak, tracker.counts())
     ui.table(f"Rank {rank}'s collectives in one step", ["dimension", *R.KINDS],
              [[d, *(v[k] for k in R.KINDS)] for d, v in per_rank["collectives_by_dim"].items()])
+    plan = R.planner_keys(size, args.dp, args.tp, args.microbatches)  # lessons/19_two_d_mesh/planner.py
     per_rank["seconds"] = timer.seconds
-    return per_rank
+    return per_rank, plan, R.beside_planner(ui, per_rank, plan)
 
 
-def finish(ui: UI, args, folder: Path, fake: dict, real: dict | None = None) -> None:
-    plan = R.planner_keys(args.size, args.dp, args.tp, args.microbatches)
-    worst = R.beside_planner(ui, fake, plan)
+def finish(ui: UI, args, folder: Path, fake: dict, plan: dict, worst: float, real: dict | None = None) -> None:
 
     # Step 7: Run the same code on real gloo ranks, compare, save the results
     # --real only: W real processes ran worker() on gloo. Rank 0's counts and bytes against the

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import import_lesson, load_run, parse_error, run, run_lesson
+from conftest import import_lesson, lesson_path, load_run, parse_error, run, run_lesson
 
 import fake_cluster as F  # lessons/23_cluster_on_a_laptop/ (conftest puts the lessons' folders on the path)
 import planner  # lessons/19_two_d_mesh/planner.py
@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
         folder = tmp_path_factory.mktemp(f"lesson23-{name}")
         proc = run_lesson("23", "--model", model, "--world-size", dp * tp, "--tp", tp, "--microbatches", m,
                           *(["--real"] if real else []), "--out", folder, timeout=800)
-        return name, (proc.stdout, load_run(folder)[1])
+        return name, (proc.stdout, load_run(folder)[1], folder)
 
     with ThreadPoolExecutor(len(RUNS)) as pool:  # most of each run is one process: overlap them
         return dict(pool.map(one, RUNS))
@@ -57,7 +57,7 @@ def shards(model: str, dp: int, tp: int) -> list[tuple[int, int, int]]:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_rank_0_holds_its_padded_shards_fp32(runs, name):
-    _, metrics = runs[name]
+    _, metrics, _ = runs[name]
     model, dp, tp, _, _ = RUNS[name]
     held = sum(4 * rows * cols for _, rows, cols in shards(model, dp, tp))
     assert metrics["per_rank"]["held_bytes"] == {"parameters": held, "gradients": held, "optimizer_state": 2 * held}
@@ -66,7 +66,7 @@ def test_rank_0_holds_its_padded_shards_fp32(runs, name):
 
 @pytest.mark.parametrize("name", RUNS)
 def test_collectives_and_bytes_per_dimension_equal_the_formulas(runs, name):
-    _, metrics = runs[name]
+    _, metrics, _ = runs[name]
     model, dp, tp, m, _ = RUNS[name]
     size, per_rank = F.SIZES[model], metrics["per_rank"]
     blocks = size.blocks
@@ -85,7 +85,7 @@ def test_collectives_and_bytes_per_dimension_equal_the_formulas(runs, name):
 
 
 def test_planner_within_10_percent_at_1b_on_1024_ranks(runs):
-    out, metrics = runs["1b-1024"]
+    out, metrics, _ = runs["1b-1024"]
     assert metrics["max_relative_difference"] <= 0.10
     assert metrics["parameters"] > 0.9e9 and metrics["per_rank"]["sent_bytes"]["tp"] > 0
     for group in ("held_bytes", "sent_bytes"):  # the planner's keys, and the same numbers as it gives
@@ -97,7 +97,7 @@ def test_planner_within_10_percent_at_1b_on_1024_ranks(runs):
 def test_planner_counts_zero_3_traffic_in_every_micro_batch(runs):
     """real-2 runs 2 micro-batches: FSDP2 gathers and reduce-scatters in each one. The planner
     agrees (lesson 23 fixed it: it counted one micro-batch's worth per step)."""
-    _, metrics = runs["real-2"]
+    _, metrics, _ = runs["real-2"]
     assert metrics["microbatches"] == 2 and metrics["max_relative_difference"] < 1e-6
     model = planner.Model(1e9, 2, 64, 32, 1, microbatches=4)
     one = planner.Model(1e9, 2, 64, 32, 1, microbatches=1)
@@ -106,14 +106,14 @@ def test_planner_counts_zero_3_traffic_in_every_micro_batch(runs):
 
 
 def test_small_model_on_many_ranks_says_the_planner_is_wrong_and_why(runs):
-    out, metrics = runs["tiny-1024"]
+    out, metrics, _ = runs["tiny-1024"]
     assert metrics["max_relative_difference"] > 0.10  # the padding: the planner divides evenly
     assert "over 10%: the planner is wrong here" in out and "ceil(rows / dp)" in out
 
 
 @pytest.mark.parametrize("name", ["real-2", "real-4"])
 def test_real_gloo_ranks_count_what_the_fake_group_counts(runs, name):
-    out, metrics = runs[name]
+    out, metrics, _ = runs[name]
     fake, real = metrics["per_rank"], metrics["real"]
     assert metrics["fake_equals_real"] is True
     for key in ("held_bytes", "collectives", "sent_bytes", "collectives_by_dim", "comm_debug_mode"):
@@ -126,7 +126,7 @@ def test_real_gloo_ranks_count_what_the_fake_group_counts(runs, name):
 def test_mem_tracker_peak_under_fake_tensors_is_not_the_real_peak(runs):
     """What the lesson says plainly: MemTracker runs under FakeTensorMode, but its peak differs
     from the same tracker on real ranks (activations nearly vanish)."""
-    _, metrics = runs["real-4"]
+    _, metrics, _ = runs["real-4"]
     fake, real = metrics["per_rank"]["peak_bytes"], metrics["real"]["peak_bytes"]
     assert metrics["peak_fake_vs_real"] > 0.05 and fake["total"] != real["total"]
     assert fake.get("activation", 0) < real["activation"] / 10
@@ -135,7 +135,7 @@ def test_mem_tracker_peak_under_fake_tensors_is_not_the_real_peak(runs):
 
 
 def test_steps_and_private_api_note(runs):
-    out, metrics = runs["tiny-1024"]
+    out, metrics, _ = runs["tiny-1024"]
     assert [int(n) for n in re.findall(r"^Step (\d+):", out, re.M)] == list(range(1, 8))
     assert "PRIVATE API" in out and f"checked on torch {F.CHECKED_ON}" in out
     assert metrics["checked_on"] == F.CHECKED_ON and metrics["backend"] == "fake"
@@ -155,6 +155,18 @@ def test_steps_and_private_api_note(runs):
 def test_bad_flags_are_refused_in_one_line(flags, words, monkeypatch, capsys):
     line = parse_error(import_lesson("23"), flags, monkeypatch, capsys)
     assert words in line, line
+
+
+def test_the_picture_draws_from_the_runs(runs, tmp_path):
+    """cluster_pictures.py draws docs/23's picture from lesson 23's metrics.json files."""
+    import importlib.util  # by path: other lessons' folders have picture scripts too
+    path = lesson_path("23").with_suffix("") / "cluster_pictures.py"
+    spec = importlib.util.spec_from_file_location("lesson23_pictures", path)
+    pictures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pictures)
+    to = tmp_path / "bytes.png"
+    assert pictures.draw([runs["tiny-1024"][2], runs["1b-1024"][2]], to).startswith("wrote")
+    assert to.stat().st_size > 10_000
 
 
 def test_a_mesh_built_inside_fake_tensor_mode_fails():
