@@ -11,7 +11,7 @@ comes back; the weights equal the N replicas simulated in one process.
 Run:
     make lesson-24
     make lesson-24 ARGS="--sync-every 16 --drop-rank 1 --drop-at 2"
-    make lesson-24 ARGS="--sweep --steps 128"
+    make lesson-24 ARGS="--sweep"
     .venv/bin/python lessons/24_local_sgd_diloco.py --world-size 4 --inner sgd --outer sgd
 
 Doc: docs/24_local_sgd_diloco.md
