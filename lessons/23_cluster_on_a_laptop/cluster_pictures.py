@@ -41,9 +41,10 @@ def draw(folders: list[Path], to: Path) -> str:
     runs = sorted((json.loads((Path(f) / "metrics.json").read_text()) for f in folders), key=lambda m: m["world_size"])
     worlds = [m["world_size"] for m in runs]
     fig, ax = plt.subplots(figsize=(8, 4.8))
+    mib = lambda b: b / 2**20 if b else float("nan")  # dp 1 sends nothing: no point on a log scale
     for group, key, label, color in SERIES:
-        ax.plot(worlds, [m["per_rank"][group][key] / 2**20 for m in runs], "o", color=color, label=f"{label}: measured")
-        ax.plot(worlds, [m["planner"][group][key] / 2**20 for m in runs], "-", color=color, alpha=0.5,
+        ax.plot(worlds, [mib(m["per_rank"][group][key]) for m in runs], "o", color=color, label=f"{label}: measured")
+        ax.plot(worlds, [mib(m["planner"][group][key]) for m in runs], "-", color=color, alpha=0.5,
                 label="lesson 19's planner" if key == "parameters" else None)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
