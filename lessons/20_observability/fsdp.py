@@ -75,7 +75,8 @@ def _ran_on_backend(e: dict, kind: str, main) -> bool:
 def units(path: Path) -> dict:
     """{"step_ms", "units": {unit: {column: (start_ms, end_ms) or None}}} for the recorded step."""
     events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    step = next(e for e in events if e["name"].startswith("ProfilerStep#"))
+    step = next(e for e in events if e["name"].startswith("ProfilerStep#")  # the CPU's span, not
+                and e.get("cat") != "gpu_user_annotation")                  # its copy on a GPU stream
     t0, t1, main = step["ts"], step["ts"] + step["dur"], step["tid"]
     inside = sorted((e for e in events if t0 <= e["ts"] < t1), key=lambda e: e["ts"])
     on_main = [e for e in inside if e["tid"] == main]
