@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from common import fail
 
 PARENT_ENV = "LESSON_PARENT_PID"  # set by supervise(): the pid a spawned rank must outlive
+TIDY_ENV = "LESSON_FORK_SERVER_TIDY"  # set for the fork server only (common/fork_server_exit.py)
 
 
 def set_parent_death_signal(sig: int = getattr(signal, "SIGKILL", 9)) -> None:
@@ -213,9 +214,8 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
         torch.set_num_threads(threads)  # several ranks share few cores: one thread each
 
     def report(kind: str, payload) -> None:
-        results.put((rank, kind, payload))
+        results.send((rank, kind, payload))  # returns once the parent has it all (a pipe)
         results.close()
-        results.join_thread()  # the message is in the pipe before this process may end
 
     try:
         try:
@@ -255,22 +255,35 @@ def _start_fork_server_deaf_to_ctrl_c() -> None:
     traceback after our one line. This process stops the ranks itself (supervise); each
     rank takes Python's usual SIGINT handler back (_rank_main)."""
     import tempfile
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, util
 
     # Its socket lives in $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, and a Unix socket's path
     # has at most 107 bytes: under a deep $TMPDIR, Python 3.11 failed with "AF_UNIX path too
     # long". Then this process's temporary files go to /tmp (removed at exit, as always).
     if len(os.fsencode(tempfile.gettempdir())) > 70 and os.path.isdir("/tmp"):
         tempfile.tempdir = "/tmp"
+    # For the new server only: the folder that common/fork_server_exit.py removes, and where
+    # to find it. (Python 3.11's server ignores the sys.path it is handed, and "__main__" in
+    # its preloads: it starts with the job's working directory as its only path to us.)
+    saved = {name: os.environ.get(name) for name in (TIDY_ENV, "PYTHONPATH")}
+    os.environ[TIDY_ENV] = util.get_temp_dir()
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    saved["PYTHONPATH"]) if p)
     try:
         old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the new server
     except ValueError:  # not the main thread: leave it as it is
-        forkserver.ensure_running()
-        return
+        old = None
     try:
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, old)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
 
 
 def _stop_fork_server() -> None:
@@ -289,15 +302,12 @@ def _stop_fork_server() -> None:
 def _silent_death(procs, results, spoke: set, wait_s: float = 1.0) -> int | None:
     """The first rank that ended with no word (killed, or exited non-zero without reporting),
     looking for up to wait_s: the fork server hands on a rank's exit status a moment late."""
-    import queue
-
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            while True:  # other ranks' errors, already sent: they spoke, so they are not silent
-                spoke.add(results.get_nowait()[0])
-        except (queue.Empty, OSError, EOFError):
-            pass
+        for conn in list(results):  # other ranks' errors, already sent: they spoke, not silent
+            with contextlib.suppress(OSError, EOFError):
+                if conn.poll():
+                    spoke.add(conn.recv()[0])
         silent = [r for r, p in enumerate(procs)
                   if r not in spoke and p.exitcode is not None and p.exitcode != 0]
         if silent:
@@ -312,8 +322,9 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
     """target(rank, world, *args) on `world` new processes: what each returned, by rank.
 
     Each rank is forked from multiprocessing's "fork server", a fresh Python that has
-    imported `preload` once (with "__main__": the job's script), so a rank does not import
-    torch again, as each of mp.spawn's fresh Pythons does. Not plain "fork" from this
+    imported `preload` once, so a rank does not import torch again, as each of mp.spawn's
+    fresh Pythons does. ("__main__", the job's script, is a no-op there on Python 3.11: the
+    server is handed the script's path under a key it does not read; each rank imports it.) Not plain "fork" from this
     process: one that has used OpenMP threads or CUDA cannot be forked safely. ("spawn"
     where there is no fork server.) Each rank gets this process's environment as it is now.
 
@@ -327,7 +338,7 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
     """
     import io
     import multiprocessing
-    import queue
+    from multiprocessing.connection import wait
 
     import torch
 
@@ -337,30 +348,43 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
         # the first DDP, FSDP, DTensor or pipeline in a process imports it (torch 2.14.1:
         # DistributedDataParallel.__init__ asks it for its optimize_ddp mode), about 1.5 s
         # of CPU that each rank would otherwise spend on its own.
-        ctx.set_forkserver_preload(["torch._dynamo", *(preload or [])])
+        # Last: common/fork_server_exit.py, whose exit handler runs first when the server ends.
+        ctx.set_forkserver_preload(["torch._dynamo", *(preload or []), "common.fork_server_exit"])
         if not _FORK_SERVER_STOP:
             _FORK_SERVER_STOP.append(atexit.register(_stop_fork_server))
         _start_fork_server_deaf_to_ctrl_c()
     else:
         ctx = multiprocessing.get_context("spawn")  # as mp.spawn does
-    results = ctx.Queue()
+    # One pipe per rank for its one message back (what it returned, or raised): a pipe, not
+    # a multiprocessing Queue, whose locks are named semaphores that outlive a killed job
+    # ("There appear to be 1 leaked semaphore objects" printed after the shell's prompt).
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    results = [reader for reader, _ in pipes]
     share_terminal_with_children()  # --step: rank 0 asks on our terminal, in every lesson
     environ = dict(os.environ)
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world, environ, target, args, threads, results))
+                         args=(r, world, environ, target, args, threads, pipes[r][1]))
              for r in range(world)]
     got: dict = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     quiet_since = None
     with stop_signals():
         try:
-            for p in procs:
+            for p, (_, writer) in zip(procs, pipes):
                 p.start()
+                writer.close()  # the rank has its own copy: the pipe ends when the rank does
             while len(got) < world:
-                try:
-                    rank, kind, payload = results.get(timeout=0.5)
+                message = None
+                for conn in wait(results, timeout=0.5):
+                    try:
+                        message = conn.recv()
+                        break
+                    except (EOFError, OSError):  # the rank ended without a word: see below
+                        results.remove(conn)
+                if message is not None:
+                    rank, kind, payload = message
                     quiet_since = None
-                except queue.Empty:
+                else:
                     if deadline is not None and time.monotonic() > deadline:
                         raise RankFailed("timeout", None, world, seconds=timeout_s)
                     dead = [r for r, p in enumerate(procs)
@@ -368,7 +392,7 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
                     if dead:  # give a message still in the pipe a moment to arrive
                         quiet_since = quiet_since or time.monotonic()
                         failed = [r for r in dead if procs[r].exitcode != 0]
-                        if time.monotonic() - quiet_since > 0.4:  # one more get() has come back empty
+                        if time.monotonic() - quiet_since > 0.4:  # one more wait() has come back empty
                             if failed:
                                 raise RankFailed("died", failed[0], world,
                                                  code=procs[failed[0]].exitcode)

@@ -290,6 +290,29 @@ def test_lesson_05_parent_killed_with_sigkill_takes_its_ranks(tmp_path, cleanup)
     assert not (tmp_path / "o" / "final.pt").exists()
 
 
+def test_a_killed_job_takes_its_ranks_at_once_and_leaves_no_temporary_file(tmp_path, cleanup):
+    """SIGKILL of a lesson whose ranks came from the fork server (common/processes.py): the
+    ranks go at once, and $TMPDIR is left as it was. The server, left alone, used to tear torch
+    down for 5-30 s while the ranks trained on; the job's pymp-* folder stayed behind, and
+    the resource tracker printed "leaked semaphore objects" after the shell's prompt."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    job = Job([PY, "lessons/16_distributed_checkpoint.py", "--steps", "400",
+               "--out", tmp_path / "o"], tmp_path, "a", env={"TMPDIR": str(tmp)})
+    cleanup.append(job)
+    job.wait_for("Step 4: Train", timeout=120)
+    assert any(p.name.startswith("pymp-") for p in tmp.iterdir())  # the server's socket is there
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.wait(10)
+    deadline = time.monotonic() + 5
+    while session_pids(job.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not session_pids(job.proc.pid), [cmdline(p) for p in session_pids(job.proc.pid)]
+    time.sleep(1)  # a warning from a straggler would land by now
+    assert not list(tmp.iterdir()), list(tmp.iterdir())
+    assert "leaked" not in job.stderr() and "Traceback" not in job.stderr(), job.stderr()
+
+
 # --- lessons 06 and 07: tools/nodes.py and torchrun -----------------------------------------------
 
 def test_lesson_06_sighup_to_the_launcher_stops_every_agent_and_worker(tmp_path, cleanup):
