@@ -203,8 +203,14 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
     os.environ.update(environ)  # the job's environment now, not the fork server's at its start
     die_with_parent()  # our parent (the fork server, or the job's process) dies: so do we
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignored Ctrl-C
+    import faulthandler
     import gc
     import io
+
+    # A crash in C++ (SIGSEGV, SIGABRT: "munmap_chunk(): invalid pointer" once in lesson 16
+    # on CI) prints where each of this rank's threads was in Python, before the one line the
+    # job prints ("rank 1 died (SIGABRT)"): without it nothing says which call it was.
+    faulthandler.enable(all_threads=True)
     import traceback
 
     import torch
