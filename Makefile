@@ -84,10 +84,11 @@ lessons: $(STAMP)
 	@set -e; for n in $(LESSON_NUMS); do $(MAKE) --no-print-directory lesson-$$n; done
 
 # pytest-xdist workers: one per core, 4 at most (measured on 2 cores: a third worker made
-# the suite slower). Each test file runs on one worker, so its fixtures run once.
+# the suite slower). Each test file runs on one worker, so its fixtures run once, unless
+# it says SPREAD_OVER_WORKERS = True (tests/conftest.py).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf runs .pytest_cache

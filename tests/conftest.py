@@ -149,3 +149,15 @@ def reference_13() -> dict:
     on disk by common/transformer.py so every Part 2 test shares one computation."""
     from common import transformer
     return transformer.train_reference()
+
+
+# pytest-xdist, `make test` (--dist loadgroup): a file's tests stay together on one worker,
+# since most files share a module fixture (one lesson run read by many tests). A file whose
+# tests share nothing says SPREAD_OVER_WORKERS = True: each of its tests goes to whichever
+# worker is free, so one long file (step mode's pty run of every lesson) no longer keeps one
+# worker busy while the other has finished.
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and not getattr(module, "SPREAD_OVER_WORKERS", False):
+            item.add_marker(pytest.mark.xdist_group(module.__name__))

@@ -13,6 +13,8 @@ from conftest import ROOT, run
 sys.path.insert(0, str(ROOT / "tools"))
 from check_exercise import all_checks, main  # noqa: E402
 
+SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
+
 CHECKS = all_checks()
 
 CHECK = [sys.executable, "tools/check_exercise.py"]

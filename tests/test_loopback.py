@@ -17,6 +17,8 @@ import pytest
 
 from conftest import ROOT, lesson_path
 
+SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
+
 PROBE = r"""
 set -e
 ip link set lo up

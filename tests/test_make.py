@@ -3,6 +3,8 @@ import re
 
 from conftest import ROOT, one_error_line, run
 
+SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
+
 
 def lesson_numbers():
     return sorted(p.name[:2] for p in (ROOT / "lessons").glob("[0-9][0-9]_*.py"))

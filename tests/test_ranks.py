@@ -13,6 +13,8 @@ import torch.distributed as dist
 from apparatus.ranks import RankFailed, run_ranks
 from conftest import ROOT
 
+SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
+
 
 def _sum_of_ranks(rank: int, world: int, extra: int) -> dict:
     t = torch.tensor([float(rank)])

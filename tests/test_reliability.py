@@ -24,6 +24,8 @@ import torch
 
 from conftest import ROOT, one_error_line, run
 
+SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
+
 PY = sys.executable
 NODES = [PY, "tools/nodes.py"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "OMP_NUM_THREADS": "1"}

@@ -19,6 +19,8 @@ import pytest
 
 from conftest import ROOT, lesson_path
 
+SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
+
 LESSONS = sorted(p.name[:2] for p in (ROOT / "lessons").glob("[0-9][0-9]_*.py"))
 
 
