@@ -17,7 +17,7 @@ from fake_cluster import SIZES, Size, count_parameters, make_model
 SPLIT = ("attn.q", "attn.k", "attn.v", "mlp.fc", "attn.proj.weight", "mlp.proj.weight")  # lesson 19's plan
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 HELD = ("parameters", "gradients", "optimizer_state")
-MOST_WORLD = 4096  # checked up to here (1,024 in the tests); beyond, the fake group is untested
+MOST_WORLD = 4096  # run here up to 4,096 ranks (tiny; 1b and 7b at 1,024); beyond, untested
 MOST_REAL = 8      # --real starts this many gloo processes at most, each a full tiny model
 
 

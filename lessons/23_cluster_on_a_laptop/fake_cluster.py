@@ -11,8 +11,8 @@
 
 PRIVATE API, checked on torch 2.14.1 only: FakeStore and the "fake" backend live in
 torch.testing._internal.distributed.fake_pg, torch's own test helpers, not its public API. They
-may move or change in any release; this lesson checks the version it was written on at import
-and says so if it differs. FakeTensorMode (torch._subclasses) and MemTracker
+may move or change in any release; every run prints the version it runs on beside CHECKED_ON
+(version_note). FakeTensorMode (torch._subclasses) and MemTracker
 (torch.distributed._tools) are private too (a leading underscore), used by torch's own tools.
 """
 from __future__ import annotations
