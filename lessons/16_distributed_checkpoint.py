@@ -195,6 +195,8 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     del optimizer
     if rank != 0:  # rank 0 alone writes
         return teardown()
+    # DCP's own reader here unpickles .metadata as it finds it: first, every file as saved
+    checkpointing.verify(args.checkpoint, f"--checkpoint {args.checkpoint}")
     dcp_to_torch_save(args.checkpoint, folder / "from-dcp.pt")
     load_into(loaded := T.make_model(args.seed + 1), torch.load(folder / "from-dcp.pt", weights_only=True)["model"])
     ui.print(f"{shown(folder / 'from-dcp.pt')} in a plain model: max |w - final| = {max_abs_diff(loaded.state_dict(), final_state):.1e}")

@@ -275,6 +275,23 @@ def test_crafted_metadata_is_refused_in_the_launcher(runs, tmp_path, monkeypatch
     assert not marker.exists()
 
 
+def test_step_8_checks_the_checkpoint_before_dcp_to_torch_save(runs, tmp_path):
+    """dcp_to_torch_save (Step 8) reads .metadata with DCP's plain reader, which unpickles it
+    as it is: the lesson first checks every file against checkpoint.json and .metadata
+    against the allow-list (checkpointing.verify), so a crafted one is refused, not run."""
+    checkpointing = import_lesson("16").checkpointing
+    checkpointing.verify(runs["ckpt"], "--checkpoint ckpt")  # the run's own checkpoint passes
+    marker, folder = tmp_path / "ran", tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], folder)
+    _crafted_metadata(folder, marker)
+    with pytest.raises(checkpointing.CheckpointError, match="not the file that was saved"):
+        checkpointing.verify(folder, "--checkpoint ckpt")
+    _reseal(folder)
+    with pytest.raises(checkpointing.CheckpointError, match=r"its \.metadata names builtins\.eval"):
+        checkpointing.verify(folder, "--checkpoint ckpt")
+    assert not marker.exists()
+
+
 def test_each_rank_reads_metadata_and_shards_through_the_checks(runs, tmp_path):
     """What each rank hands dcp.load (a file may change after the launcher's check): the
     crafted .metadata refused by the allow-list, a crafted shard by weights_only, each in

@@ -166,6 +166,18 @@ def file_problem(folder: Path, name: str, manifest: dict, where: str) -> str | N
     return None
 
 
+def verify(folder: Path, where: str) -> None:
+    """Raise CheckpointError (one sentence) unless every file checkpoint.json lists is the file
+    the save wrote and .metadata passes the allow-list: before a reader that unpickles
+    .metadata as it is (dcp_to_torch_save), it then reads bytes known to be harmless."""
+    manifest = read_manifest(Path(folder), where)
+    for name in sorted(manifest["files"]):
+        found = file_problem(Path(folder), name, manifest, where)
+        if found:
+            raise CheckpointError(found)
+    load_metadata(Path(folder) / ".metadata", f"{where}: its .metadata")
+
+
 # --- the resume, checked in the launcher -------------------------------------------------------
 
 def problem(folder: Path, args) -> str | None:

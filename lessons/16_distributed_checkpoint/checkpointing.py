@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from common import fail
 
 from checkpoint_trust import (MANIFEST, CheckpointError, Reader, _first_line,  # noqa: F401
-                              load_metadata, made_by, problem, sha256, write_manifest)  # (the lesson's too)
+                              load_metadata, made_by, problem, sha256, verify, write_manifest)  # (the lesson's too)
 
 _held: dict[str, int] = {}  # folder -> fd of its lock, held until this process ends
 
