@@ -175,6 +175,22 @@ def test_compare_passes_rounding_and_fails_a_real_difference(tmp_path):
     assert not ok and diff is None and "cannot compare" in why
 
 
+def test_compare_refuses_a_final_pt_its_metrics_do_not_name(tmp_path):
+    """metrics.json names the sha256 of its run's final.pt: a final.pt from another run (or
+    changed since) is not compared as if it were this run's."""
+    import hashlib
+    import json
+    for name in ("gpu", "cpu"):
+        (tmp_path / name).mkdir()
+        torch.save({"w": torch.zeros(3)}, tmp_path / name / "final.pt")
+        digest = hashlib.sha256((tmp_path / name / "final.pt").read_bytes()).hexdigest()
+        (tmp_path / name / "metrics.json").write_text(json.dumps({"final_pt_sha256": digest}))
+    assert gc.compare(tmp_path / "gpu", tmp_path / "cpu", 1e-3)[0]
+    torch.save({"w": torch.ones(3) * 1e-6}, tmp_path / "cpu" / "final.pt")  # another run's weights
+    ok, diff, why = gc.compare(tmp_path / "gpu", tmp_path / "cpu", 1e-3)
+    assert not ok and diff is None and "not the one its metrics.json names" in why, why
+
+
 # --- the timeout --------------------------------------------------------------------
 
 def alive(pid: int) -> bool:

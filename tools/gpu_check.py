@@ -317,8 +317,18 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 def compare(gpu_out: Path, cpu_out: Path, tolerance: float) -> tuple[bool, float | None, str]:
     """(passed, max |w - w_cpu|, why not) for two runs' final.pt files."""
+    import hashlib
+
     import torch
 
+    for out in (gpu_out, cpu_out):  # metrics.json names the sha256 of its run's final.pt
+        try:
+            named = json.loads((out / "metrics.json").read_text()).get("final_pt_sha256")
+        except (OSError, ValueError):
+            continue  # no metrics.json: nothing to pair
+        if named and named != hashlib.sha256((out / "final.pt").read_bytes()).hexdigest():
+            return False, None, (f"{shown_path(str(out))}: final.pt is not the one its metrics.json "
+                                 f"names (files of two runs?); run again")
     try:
         a = torch.load(gpu_out / "final.pt", map_location="cpu", weights_only=True)
         b = torch.load(cpu_out / "final.pt", map_location="cpu", weights_only=True)
