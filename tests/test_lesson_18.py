@@ -1,19 +1,22 @@
 """Lesson 18: pipeline schedules. One 2-rank run of the lesson (1F1B, the default) and one
-4-rank run (zero-bubble, two steps: its pass-through stages) through its launcher feed most
-assertions; every schedule is also run for one batch on 4 ranks, its gradients against one
+4-rank run (zero-bubble, two steps: its pass-through stages), started together through its
+launcher, feed most assertions; every schedule is also run for one batch on 4 ranks, its gradients against one
 process's. The timeline arithmetic of lessons/18_pipeline_schedules/pipeline.py is checked
 against the formulas on its own, and against torch's own plans (schedules built on stub stages:
 a constructor needs no process group)."""
+import functools
+import importlib.util
 import json
 import re
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common import transformer as T
-from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run, run_lesson
+from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson
 
 sys.path.insert(0, str(ROOT / "tools"))
 from check_exercise import run_world  # noqa: E402  (the harness's way to start N ranks)
@@ -26,20 +29,38 @@ STEPS = 12  # of lesson 13's 120: the same claims, compared with lesson 13 run a
 
 
 @pytest.fixture(scope="module")
-def lesson(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("lesson18")
-    proc = run_lesson("18", "--device", "cpu", "--steps", STEPS, "--out", folder, timeout=300)
-    state, metrics = load_run(folder)
-    return proc.stdout, state, metrics, folder
+def runs(tmp_path_factory):
+    """Both lesson runs at once (threads; each waits on its own processes): the 2-rank default
+    and the 4-rank zero-bubble one. {name: (stdout, final state, metrics, folder)}"""
+    flags = {"p2": ["--steps", STEPS], "p4": ["--world-size", 4, "--schedule", "zero-bubble", "--steps", P4_STEPS]}
+    folders = {name: tmp_path_factory.mktemp(f"lesson18{name}") for name in flags}
+    done, failed = {}, {}
+
+    def one(name):
+        try:
+            proc = run_lesson("18", "--device", "cpu", *flags[name], "--out", folders[name], timeout=300)
+            done[name] = (proc.stdout, *load_run(folders[name]), folders[name])
+        except BaseException as exc:  # pytest.fail included: re-raised below, in the test's thread
+            failed[name] = exc
+
+    threads = [threading.Thread(target=one, args=(name,)) for name in flags]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for exc in failed.values():
+        raise exc
+    return done
 
 
 @pytest.fixture(scope="module")
-def lesson_p4(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("lesson18p4")
-    proc = run_lesson("18", "--device", "cpu", "--world-size", 4, "--schedule", "zero-bubble",
-                      "--steps", P4_STEPS, "--out", folder, timeout=300)
-    state, metrics = load_run(folder)
-    return proc.stdout, state, metrics
+def lesson(runs):
+    return runs["p2"]
+
+
+@pytest.fixture(scope="module")
+def lesson_p4(runs):
+    return runs["p4"][:3]
 
 
 def test_ends_with_lesson_13s_weights_beside_the_floor(lesson):
@@ -140,10 +161,12 @@ def test_docs_picture_is_drawn_from_the_lessons_own_run(lesson, tmp_path):
     """pictures.py draws docs/img/18_timelines_p2.png from a run's metrics.json; both docs show it."""
     _, _, _, folder = lesson
     pytest.importorskip("matplotlib")
+    # lessons/18_pipeline_schedules/pictures.py, by its path: another lesson's folder may hold a
+    # pictures.py too (`--from RUN --to PNG` calls draw)
+    spec = importlib.util.spec_from_file_location("pictures_18", ROOT / "lessons" / "18_pipeline_schedules" / "pictures.py")
+    spec.loader.exec_module(pictures := importlib.util.module_from_spec(spec))
     png = tmp_path / "timelines.png"
-    proc = run([sys.executable, str(ROOT / "lessons" / "18_pipeline_schedules" / "pictures.py"),
-                "--from", str(folder), "--to", str(png)], timeout=120)
-    assert f"wrote {png}" in proc.stdout and png.stat().st_size > 10_000
+    assert pictures.draw(folder, png) == f"wrote {png}" and png.stat().st_size > 10_000
     for doc, img in (("docs/18_pipeline_schedules.md", "img"), ("docs/zh/18_pipeline_schedules.md", "../img")):
         text = (ROOT / doc).read_text()
         assert f"]({img}/18_timelines_p2.png)" in text and f"]({img}/18_timelines_p4.png)" in text, doc
@@ -292,9 +315,10 @@ def test_flag_rule_is_torchs_own_for_every_combination():
     and torch 2.14.1 builds all four schedules for it (torch's own checks: 1F1B wants m >= p,
     the interleaved ones m a multiple of their rounds, m // p). A batch of 72 rows too, where
     the rounds rule bites (p=4, m=9: rounds of 2) as it never does for 48."""
+    @functools.cache
     def torch_builds(p, m):
         try:
-            for name in ("gpipe", "1f1b", "interleaved", "zero-bubble"):
+            for name in ("1f1b", "interleaved", "zero-bubble", "gpipe"):  # the refusing ones first
                 _schedule(name, p, m)
         except ValueError:
             return False
