@@ -11,10 +11,12 @@ import math
 import os
 import pickle
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -292,27 +294,34 @@ def test_lesson_05_parent_killed_with_sigkill_takes_its_ranks(tmp_path, cleanup)
     assert not (tmp_path / "o" / "final.pt").exists()
 
 
-def test_a_killed_job_takes_its_ranks_at_once_and_leaves_no_temporary_file(tmp_path, cleanup):
+def test_a_killed_job_takes_its_ranks_at_once_and_leaves_no_temporary_file(cleanup):
     """SIGKILL of a lesson whose ranks came from the fork server (common/processes.py): the
     ranks go at once, and $TMPDIR is left as it was. The server, left alone, used to tear torch
     down for 5-30 s while the ranks trained on; the job's pymp-* folder stayed behind, and
     the resource tracker printed "leaked semaphore objects" after the shell's prompt."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    job = Job([PY, "lessons/16_distributed_checkpoint.py", "--steps", "400",
-               "--out", tmp_path / "o"], tmp_path, "a", env={"TMPDIR": str(tmp)})
-    cleanup.append(job)
-    job.wait_for("Step 4: Train", timeout=120)
-    assert any(p.name.startswith("pymp-") for p in tmp.iterdir())  # the server's socket is there
-    os.kill(job.proc.pid, signal.SIGKILL)
-    job.wait(10)
-    deadline = time.monotonic() + 5
-    while session_pids(job.proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not session_pids(job.proc.pid), [cmdline(p) for p in session_pids(job.proc.pid)]
-    time.sleep(1)  # a warning from a straggler would land by now
-    assert not list(tmp.iterdir()), list(tmp.iterdir())
-    assert "leaked" not in job.stderr() and "Traceback" not in job.stderr(), job.stderr()
+    # a short $TMPDIR: under a deep one (pytest's own folders on CI) the job puts its socket's
+    # folder in /tmp instead (a Unix socket's path has at most 107 bytes: common/processes.py)
+    tmp = Path(tempfile.mkdtemp(prefix="kill-", dir="/tmp"))
+    try:
+        out = tmp.with_name(tmp.name + "-out")  # the job's output and logs, beside
+        out.mkdir()
+        job = Job([PY, "lessons/16_distributed_checkpoint.py", "--steps", "400", "--out", out / "o"],
+                  out, "a", env={"TMPDIR": str(tmp)})
+        cleanup.append(job)
+        job.wait_for("Step 4: Train", timeout=120)
+        assert any(p.name.startswith("pymp-") for p in tmp.iterdir())  # the server's socket
+        os.kill(job.proc.pid, signal.SIGKILL)
+        job.wait(10)
+        deadline = time.monotonic() + 5
+        while session_pids(job.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not session_pids(job.proc.pid), [cmdline(p) for p in session_pids(job.proc.pid)]
+        time.sleep(1)  # a warning from a straggler would land by now
+        assert not list(tmp.iterdir()), list(tmp.iterdir())
+        assert "leaked" not in job.stderr() and "Traceback" not in job.stderr(), job.stderr()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp.with_name(tmp.name + "-out"), ignore_errors=True)
 
 
 # --- lessons 06 and 07: tools/nodes.py and torchrun -----------------------------------------------
