@@ -155,7 +155,11 @@ def reference_13() -> dict:
 # since most files share a module fixture (one lesson run read by many tests). A file whose
 # tests share nothing says SPREAD_OVER_WORKERS = True: each of its tests goes to whichever
 # worker is free, so one long file (step mode's pty run of every lesson) no longer keeps one
-# worker busy while the other has finished.
+# worker busy while the other has finished. tryfirst: xdist reads the marks in its own hook
+# of the same name (it appends "@group" to each test's id), which otherwise ran before this
+# one, so no mark was seen and a file's module fixtures ran again on every worker it reached
+# (seen in CI's junit: bench's 75 s fixture, twice).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = getattr(item, "module", None)
