@@ -156,12 +156,13 @@ def worker(rank: int, world: int, args, ui: UI) -> tuple[dict, dict, float]:
 
     # Step 6: Count the bytes this rank holds and sends, beside lesson 19's planner
     # Held: from this rank's local shards. Sent: Step 5's collectives sorted by the mesh
-    # dimension whose group carried them. Beside lesson 19's formulas for the same job.
+    # dimension whose group carried them. Beside lesson 19's formulas for the same job, given
+    # every parameter's shape: FSDP2 pads each tensor's rows up to a multiple of dp.
     ui.step(6, "Count the bytes this rank holds and sends, beside lesson 19's planner")
     per_rank = R.measure(log, mesh, held, peak, tracker.counts())
     ui.table(f"Rank {rank}'s collectives in one step", ["dimension", *R.KINDS],
              [[d, *(v[k] for k in R.KINDS)] for d, v in per_rank["collectives_by_dim"].items()])
-    plan = R.planner_keys(size, args.dp, args.tp, args.microbatches)  # lessons/19_two_d_mesh/planner.py
+    plan = R.planner_keys(size, args.dp, args.tp, args.microbatches)  # with the shapes, and without
     per_rank["seconds"] = timer.seconds
     return per_rank, plan, R.beside_planner(ui, per_rank, plan)
 

@@ -20,6 +20,18 @@ parallel (PP) and their combinations. Every formula is one the lessons taught:
     activations (an estimate, lesson 13's checkpointing): with every block checkpointed, a
         stage keeps each block's input, b * s * h * 2 bytes (bf16), for every micro-batch in
         flight (1 without PP; p on 1F1B's first stage), divided by T (sequence parallel).
+    padding (lesson 23, optional): Model.shapes lists every parameter tensor. Then ZeRO-3 counts,
+        tensor by tensor, what FSDP2 really holds: TP splits rows (ColwiseParallel) or columns
+        (RowwiseParallel), then FSDP2 gives every dp rank ceil(rows / D) rows, the last ranks'
+        padded: ceil(rows / D) * cols elements each, and its collectives move D of those. The
+        source (torch 2.14.1, torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+        FSDPParam._init_sharded_param): chunks = _chunk_with_empty(param_data, shard_world_size,
+        dim=shard_dim), torch.chunk's pieces of ceil(rows / D) rows (empty ones appended when
+        there are fewer), and padded_sharded_size = chunks[0].size() ("0th always padded"): every
+        rank's storage has chunk 0's size. Rank 0, which this counts, holds exactly that. A
+        tensor of 8 rows on 256 ranks costs every rank a whole row, 32 times an even share.
+        ZeRO-1 and ZeRO-2 (lesson 15: whole tensors dealt to ranks) stay an even division.
+        Without shapes, every tensor divides evenly (at most a row per tensor less).
 
 The instruments that check these formulas inside lesson 19's job: mesh_checks.py.
 """
@@ -46,6 +58,21 @@ def bubble(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor, for Model.shapes: its full shape, what TP splits ("rows": dim 0,
+    ColwiseParallel; "cols": dim 1, RowwiseParallel; "": whole on every TP rank), and its FSDP
+    group ("root": the last fully_shard, not gathered again in backward; any other name: a block)."""
+    shape: tuple[int, ...]
+    split: str = ""
+    group: str = "block"
+
+    def rows_cols(self, tp: int) -> tuple[int, int]:
+        """Rows and elements per row on one TP rank (a 1-D tensor: n rows of 1)."""
+        rows, cols = self.shape[0], math.prod(self.shape[1:])
+        return rows // (tp if self.split == "rows" else 1), cols // (tp if self.split == "cols" else 1)
+
+
 @dataclass
 class Model:
     params: float           # parameters
@@ -55,6 +82,7 @@ class Model:
     micro_batch: int = 1    # sequences per micro-batch b
     microbatches: int = 8   # micro-batches per optimizer step on each data-parallel rank
     replicated: float = 0   # parameters tensor parallel leaves whole (norms, ...)
+    shapes: list[Tensor] | None = None  # every parameter tensor: ZeRO-3 then counts FSDP2's padding
 
 
 @dataclass
@@ -71,6 +99,13 @@ class Layout:
         return " x ".join(p for p in parts if p) or "1 GPU"
 
 
+def fsdp2_shard(model: Model, lay: Layout, group: str | None = None) -> float:
+    """Elements of one rank's ZeRO-3 shard (of one FSDP group, or of all), from model.shapes as
+    FSDP2 cuts them: ceil(rows / D) * cols per tensor after TP's split (see the docstring)."""
+    return sum(math.ceil(rows / lay.dp) * cols for t in model.shapes if group in (None, t.group)
+               for rows, cols in [t.rows_cols(lay.tp)]) / lay.pp
+
+
 def memory(model: Model, lay: Layout, per_param=MIXED) -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state on one GPU."""
     local = ((model.params - model.replicated) / lay.tp + model.replicated) / lay.pp
@@ -81,6 +116,8 @@ def memory(model: Model, lay: Layout, per_param=MIXED) -> dict[str, float]:
         g /= lay.dp
     if lay.zero >= 3:
         w /= lay.dp
+    if lay.zero >= 3 and model.shapes:  # FSDP2's padded shards, tensor by tensor
+        w, g, o = (b * fsdp2_shard(model, lay) for b in per_param)
     return {"parameters": w, "gradients": g, "optimizer_state": o}
 
 
@@ -96,13 +133,17 @@ def comm(model: Model, lay: Layout, element: int = 2, group_bytes: list[float] |
 
     group_bytes: for ZeRO-3, the bytes of each FSDP group's weights on a rank before the dp
     split; the last one is the root, which FSDP2 does not gather again in backward (lesson 19
-    measures it). Without it, every weight is gathered twice (large models: the same)."""
+    measures it). Without it, every weight is gathered twice (large models: the same). With
+    model.shapes, the groups and FSDP2's padding come from the shapes (fsdp2_shard)."""
     local = ((model.params - model.replicated) / lay.tp + model.replicated) / lay.pp * element
     act = model.micro_batch * model.seq * model.hidden * element  # one micro-batch, one tensor
     steps = model.microbatches
     out = {"dp": 0.0, "tp": 0.0, "pp": 0.0}
     if lay.zero < 3:
         out["dp"] = 2 * ring(lay.dp) * local
+    elif model.shapes:  # D padded shards gathered in forward and backward (the root once), reduce-scattered
+        per_element = element * (lay.dp - 1) * steps  # a ring sends (D-1)/D of D shards
+        out["dp"] = per_element * (3 * fsdp2_shard(model, lay) - fsdp2_shard(model, lay, "root"))
     elif group_bytes:  # ZeRO-3: every micro-batch gathers the weights again (lesson 23 measures)
         out["dp"] = ring(lay.dp) * (3 * sum(group_bytes[:-1]) + 2 * group_bytes[-1]) * steps
     else:
