@@ -1,4 +1,5 @@
 """tests/zygote.py: a command forked from the zygote behaves as `python script.py` would."""
+import json
 import os
 import subprocess
 import sys
@@ -44,14 +45,14 @@ def script(tmp_path_factory):
     return path
 
 
-def both(script, *args, env=None):
+def both(script, *args, env=None, timeout=60):
     """The same command as a real new Python and as a zygote child."""
     cmd = [sys.executable, str(script), *map(str, args)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "ZYGOTE_TEST": "yes", **(env or {})}
-    real = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    real = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=full_env, stdin=subprocess.DEVNULL)
     assert _zygote().usable(cmd, full_env, {})
-    forked = _zygote().run(cmd, cwd=ROOT, env=full_env, timeout=60)
+    forked = _zygote().run(cmd, cwd=ROOT, env=full_env, timeout=timeout)
     return real, forked
 
 
@@ -139,3 +140,69 @@ def test_a_changed_import_time_variable_starts_a_new_zygote(monkeypatch):
     proc = after.run([sys.executable, "-m", "json.tool", "--help"], cwd=ROOT,
                      env=dict(os.environ), timeout=60)
     assert proc.returncode == 0
+
+
+RANKS = textwrap.dedent('''
+    import json, os, signal, sys
+    sys.path.insert(0, os.getcwd())
+    from common.processes import start_ranks
+
+    def facts(rank, world):
+        server = os.getppid()  # a rank's parent is the fork server
+        return json.dumps({
+            "server_is_python_c": b"multiprocessing.forkserver" in open(f"/proc/{server}/cmdline", "rb").read(),
+            "server_parent": open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[1],
+            "fds": sorted(os.listdir("/proc/self/fd")), "path": sys.path, "cwd": os.getcwd(),
+            "main": sys.modules["__main__"].__name__, "env": os.environ.get("ZYGOTE_TEST"),
+            "sigint": str(signal.getsignal(signal.SIGINT)), "dynamo": "torch._dynamo" in sys.modules,
+            "argv": sys.argv})
+
+    if __name__ == "__main__":
+        print(os.getpid())
+        for line in start_ranks(facts, 2):
+            print(line)
+''')
+
+
+def test_a_commands_fork_server_is_forked_too_and_serves_as_the_real_one(tmp_path):
+    """start_ranks' fork server: a new `python -c` in a real Python, the zygote child's standby
+    copy of itself under the zygote. Either way it is the command's child, and its ranks see
+    the same descriptors, path, __main__, environment, directory and SIGINT handler."""
+    path = tmp_path / "ranks.py"
+    path.write_text(RANKS)
+    real, forked = both(path, timeout=240)  # a real Python imports torch and torch._dynamo twice
+    assert real.returncode == forked.returncode == 0, forked.stderr
+    (real_pid, *a), (forked_pid, *b) = real.stdout.splitlines(), forked.stdout.splitlines()
+    a, b = [json.loads(x) for x in a], [json.loads(x) for x in b]
+    assert [r["server_is_python_c"] for r in a] == [True, True]
+    assert [r["server_is_python_c"] for r in b] == [False, False]  # the standby served
+    assert [r["server_parent"] for r in a] == [real_pid] * 2
+    assert [r["server_parent"] for r in b] == [forked_pid] * 2
+    for x, y in zip(a, b):
+        for key in ("fds", "path", "cwd", "main", "env", "sigint", "dynamo", "argv"):
+            assert x[key] == y[key], (key, x[key], y[key])
+
+
+def test_a_command_that_starts_no_fork_server_leaves_no_standby(script, tmp_path):
+    """The standby ends with its command: nothing of it is left once the command has ended."""
+    pid_file = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        _zygote().run([sys.executable, str(script), "sleep", pid_file], cwd=ROOT,
+                      env=dict(os.environ), timeout=3)
+    command = pid_file.read_text()
+    import time
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        left = [p for p in os.listdir("/proc") if p.isdigit()
+                and _stat_field(p, 1) == command]  # children of the killed command
+        if not left:
+            break
+        time.sleep(0.2)
+    assert not left, left
+
+
+def _stat_field(pid: str, index: int) -> str | None:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[index]
+    except OSError:
+        return None

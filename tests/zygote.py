@@ -115,20 +115,130 @@ def _become(request: dict) -> str:
 
 def main() -> None:
     _set_parent_death_signal()
+    _STARTED_WITH.update(env=dict(os.environ), path=list(sys.path))
     import torch  # noqa: F401  (the point of the zygote)
     import torch.distributed  # noqa: F401
     import torch.multiprocessing  # noqa: F401
+    import torch._dynamo  # noqa: F401  (what start_ranks preloads in its fork server)
     import rich.console  # noqa: F401
     os.write(1, b'{"ready": true}\n')
     try:
         _serve()
     except _Child as child:
         script = _become(child.request)
+    _stand_by_as_fork_server()
     import runpy
     if script == "-m":  # sys.argv[0], the module's name for now, becomes its file's path
         runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
     else:  # errors and SystemExit end us as Python would
         runpy.run_path(script, run_name="__main__")
+
+
+# --- the fork server, forked too ---------------------------------------------------------
+# A lesson's ranks are forked from multiprocessing's fork server, a new Python that imports
+# torch._dynamo (start_ranks' preload): about 7 s of CPU per multi-rank run, most of what a
+# short lesson run costs. A child of the zygote gets one ready-made instead: before the
+# command runs (nothing but imports has run in it yet: no OpenMP thread, no CUDA, so a fork
+# is safe), it forks a standby copy of itself. When the command starts its fork server,
+# util.spawnv_passfds (which would exec a new Python with `-c "from multiprocessing.forkserver
+# import main; main(...)"`) hands the standby what that Python would have had instead: the
+# listener and "alive" descriptors, stdin/stdout/stderr, the environment, the working
+# directory, sys.path as `python -c` builds it from PYTHONPATH, SIGINT ignored or not; the
+# standby closes every other descriptor and runs the same `main(...)`. It is the command's
+# child, as the real server is, and it ends the same ways (its alive pipe, a signal, the
+# exit handlers of its preloads). Anything else, or a second server, or an environment that
+# differs where torch reads it at import, goes to the real spawnv_passfds: a new Python.
+_STARTED_WITH: dict = {}
+_FORK_SERVER_CMD = "from multiprocessing.forkserver import main; main("
+
+
+def _python_c_path(env: dict) -> list[str]:
+    """sys.path of `python -c ...` started with `env`: '', PYTHONPATH's entries, then the
+    standard library and site-packages (the zygote's own path after its PYTHONPATH part)."""
+    def entries(e):
+        return [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p]
+    base = _STARTED_WITH["path"][1 + len(entries(_STARTED_WITH["env"])):]
+    return ["", *entries(env), *base]
+
+
+def _stand_by_as_fork_server() -> None:
+    import multiprocessing.util as util
+    import signal
+    import socket
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    standby = os.fork()
+    if standby == 0:
+        ours.close()
+        _serve_as_fork_server(theirs)
+        raise SystemExit(0)  # not reached: the server's loop ends with SystemExit
+    theirs.close()
+    command, real = os.getpid(), util.spawnv_passfds
+
+    def spawnv_passfds(path, args, passfds):
+        cmd = str(args[-1]) if len(args) >= 2 and args[-2] == "-c" else ""
+        env = dict(os.environ)
+        import_time = {k for k in env.keys() | _STARTED_WITH["env"].keys()
+                       if k.startswith(IMPORT_TIME) and k not in ("PYTHONPATH", "PYTHONUNBUFFERED")
+                       and env.get(k) != _STARTED_WITH["env"].get(k)}
+        if (not cmd.startswith(_FORK_SERVER_CMD) or os.getpid() != command or ours.fileno() < 0
+                or import_time):
+            return real(path, args, passfds)
+        passfds = sorted(map(int, passfds))
+        request = {"cmd": cmd, "passfds": passfds, "env": env, "cwd": os.getcwd(),
+                   "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN}
+        try:
+            socket.send_fds(ours, [json.dumps(request).encode()], [0, 1, 2, *passfds])
+        except OSError:
+            return real(path, args, passfds)
+        finally:
+            ours.close()
+        return standby
+
+    util.spawnv_passfds = spawnv_passfds
+
+
+def _serve_as_fork_server(sock) -> None:
+    """The standby: wait for the command's request (or its end), then become its fork server."""
+    import re
+    import select
+    import signal
+    import socket
+    import types
+    parent = os.getppid()
+    while True:  # the command may end without a word (killed): then so do we
+        ready, _, _ = select.select([sock], [], [], 0.5)
+        if ready or os.getppid() != parent:
+            break
+    try:
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 22, 16) if ready else (b"", [], 0, None)
+    except OSError:
+        message = b""
+    os.close(sock.detach())  # closed below anyway: no socket object may close its number later
+    if not message:
+        os._exit(0)
+    request = json.loads(message)
+    for fd, received in zip((0, 1, 2), fds[:3]):
+        os.dup2(received, fd)
+    renumbered = dict(zip(request["passfds"], fds[3:]))
+    keep = {0, 1, 2, *renumbered.values()}
+    for entry in os.listdir("/proc/self/fd"):
+        if int(entry) not in keep:
+            with contextlib.suppress(OSError):
+                os.close(int(entry))
+    for fd in renumbered.values():
+        os.set_inheritable(fd, True)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[:] = _python_c_path(request["env"])
+    sys.argv = ["-c"]
+    signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
+    main_module = types.ModuleType("__main__")
+    sys.modules["__main__"] = main_module
+    cmd = re.sub(r"main\((\d+), (\d+),",
+                 lambda m: f"main({renumbered[int(m.group(1))]}, {renumbered[int(m.group(2))]},",
+                 request["cmd"], count=1)
+    exec(cmd, main_module.__dict__)  # the fork server's loop: ends with SystemExit
 
 
 class Zygote:
