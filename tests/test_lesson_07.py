@@ -1,18 +1,26 @@
-"""Lesson 07: restarts after a failure, atomic snapshots, exact mid-epoch resume."""
+"""Lesson 07: restarts after a failure, atomic snapshots, exact mid-epoch resume.
+
+Each worker of each attempt, and each torchrun agent that tools/nodes.py starts, is a fresh
+Python (about 5 CPU s of `import torch` each); commands that are `python ...` are forked
+from the test's zygote instead (conftest.run). So the uninterrupted reference runs under
+plain torchrun (its agent forked), and the job killed from outside runs tools/nodes.py
+through conftest.run too (in a thread), not as a new Python of its own."""
 import json
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from common import recipe
-from conftest import ROOT, load_run, max_abs_diff, one_error_line, run, run_lesson
+from conftest import (import_lesson, load_run, max_abs_diff, one_error_line, parse_error, run,
+                      run_lesson)
 
 LESSON = "lessons/07_elastic.py"
 ELASTIC = [sys.executable, "tools/nodes.py", "--elastic", "--nnodes", "1",
@@ -37,11 +45,15 @@ def assert_every_sample_once_in_lesson_01_order(folder, epochs=recipe.EPOCHS):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The same 2-worker elastic job with no failure: what an interrupted run must equal."""
+    """A 2-worker elastic job with no failure: what an interrupted run must equal. Plain
+    torchrun --standalone (c10d rendezvous, like tools/nodes.py --elastic): the same 2
+    workers and data shards, and its agent is forked from the zygote, not a new Python."""
     folder = tmp_path_factory.mktemp("uninterrupted")
-    run([*ELASTIC, "--max-restarts", "3", "--", LESSON, "--fail-at-step", "0", "--out", folder],
-        timeout=180)
+    tmpdir = tmp_path_factory.mktemp("uninterrupted_tmp")  # the agent's torchelastic_... folder
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         LESSON, "--fail-at-step", "0", "--out", folder], timeout=180, env={"TMPDIR": str(tmpdir)})
     state, metrics = load_run(folder)
+    assert metrics["world_size"] == 2
     assert metrics["restarts"] == 0 and metrics["resumed_from_step"] == 0
     return state
 
@@ -93,32 +105,58 @@ def worker_pids(stdout_text):
     return {int(rank): int(pid) for rank, pid in rows}
 
 
-def test_a_worker_killed_from_outside_is_survived(tmp_path, reference_3_epochs, uninterrupted):
-    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    folder = tmp_path / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    with open(out, "w") as fo, open(err, "w") as fe:
-        job = subprocess.Popen([*ELASTIC, "--max-restarts", "3", "--", LESSON, "--fail-at-step", "0",
-                                "--step-delay", "0.05", "--out", folder],
-                               cwd=ROOT, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env=env,
-                               start_new_session=True)
+def first_attempt_worker(folder: Path, rank: int) -> int | None:
+    """The pid of attempt 1's worker `rank` of the job writing to `folder` (from /proc: its
+    command line names the folder; torchrun gave it RANK and TORCHELASTIC_RESTART_COUNT)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
-            deadline = time.time() + 120
-            while not (folder / "snapshot.pt").exists():  # training is under way
-                assert job.poll() is None, err.read_text()[-3000:]
-                assert time.time() < deadline, "no snapshot appeared"
-                time.sleep(0.05)
-            time.sleep(0.7)  # somewhere in the middle, maybe in a save: any moment must do
-            victim = worker_pids(out.read_text())[0]  # rank 0: the one that writes snapshots
-            os.kill(victim, signal.SIGKILL)
-            job.wait(timeout=180)
-        finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.wait()
-    assert job.returncode == 0, err.read_text()[-3000:]
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if str(folder).encode() not in cmdline or b"torch.distributed.run" in cmdline:
+                continue
+            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0")
+                       if b"=" in item)
+        except OSError:  # gone, or not ours
+            continue
+        if env.get(b"RANK") == str(rank).encode() and env.get(b"TORCHELASTIC_RESTART_COUNT") == b"0":
+            return int(entry.name)
+    return None
+
+
+def test_a_worker_killed_from_outside_is_survived(tmp_path, reference_3_epochs, uninterrupted):
+    folder = tmp_path / "run"
+    result = {}
+
+    def job():  # tools/nodes.py forked from the zygote, as a test's `python script.py` is
+        try:
+            result["proc"] = run([*ELASTIC, "--max-restarts", "3", "--", LESSON, "--fail-at-step",
+                                  "0", "--step-delay", "0.05", "--out", folder],
+                                 check=False, timeout=240)
+        except BaseException as exc:  # noqa: BLE001 (a timeout, reported below)
+            result["error"] = exc
+
+    thread = threading.Thread(target=job, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 120
+        while not (folder / "snapshot.pt").exists():  # training is under way
+            assert thread.is_alive(), result
+            assert time.time() < deadline, "no snapshot appeared"
+            time.sleep(0.05)
+        time.sleep(0.7)  # somewhere in the middle, maybe in a save: any moment must do
+        victim = first_attempt_worker(folder, 0)  # rank 0: the one that writes snapshots
+        assert victim is not None, "attempt 1's rank 0 not found"
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        thread.join(250)
+    assert "error" not in result, result["error"]
+    proc = result["proc"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
     state, metrics = load_run(folder)
-    stdout = out.read_text()
+    stdout = proc.stdout
+    first_attempt, _, _ = stdout.partition("Lesson 07: attempt 2 of")
+    assert worker_pids(first_attempt)[0] == victim  # the rank 0 that attempt 1's table showed
     assert metrics["restarts"] >= 1
     assert metrics["resumed_from_step"] > 0 and metrics["resumed_from_step"] % 10 == 0
     assert re.search(r"attempt 2 \(restart count 1\): resuming from snapshot at epoch \d step \d+/32",
@@ -191,8 +229,12 @@ def test_corrupt_or_incompatible_snapshots_are_one_clear_error(tmp_path, left_sn
     assert json.loads((tmp_path / "metrics.json").read_text())["resumed_from_step"] == 0
 
 
-def test_bad_flags_are_one_clear_line():
-    for flags, expect in ((["--fail-at-step", "97"], "beyond the last step"),
-                          (["--fail-rank", "2"], "--fail-rank 2")):
-        line = one_error_line(run_lesson("07", *flags, check=False, timeout=60))
-        assert line.startswith("error:") and expect in line, line
+def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
+    # parse_args() refuses a rank beyond the world (plain python: a world of one), in-process
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    line = parse_error(import_lesson("07"), ["--fail-rank", "2"], monkeypatch, capsys)
+    assert "--fail-rank 2" in line, line
+    # the step is checked against the data after start-up: end to end
+    line = one_error_line(run_lesson("07", "--fail-at-step", "97", check=False, timeout=60))
+    assert line.startswith("error:") and "beyond the last step" in line, line
