@@ -1,4 +1,9 @@
-"""Lesson 06: the same script under two simulated nodes, plain torchrun, and plain python."""
+"""Lesson 06: the same script under two simulated nodes, plain torchrun, and plain python.
+
+Every worker and every torchrun agent that tools/nodes.py starts is a fresh Python (about
+5 CPU s of `import torch` each), so beyond `make lesson-06` (2 nodes x 2 workers, as the
+learner types it) the jobs are as small as their claim allows: plain torchrun with 2
+workers, the crash with one worker per node."""
 import sys
 import time
 from pathlib import Path
@@ -38,11 +43,12 @@ def test_make_lesson_06_runs_two_nodes_and_matches_one_device(tmp_path, referenc
 
 
 def test_plain_torchrun_standalone_and_plain_python(tmp_path):
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+    # the agent is forked from the test's zygote (python -m ...); its 2 workers are new Pythons
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          LESSON, "--epochs", "1", "--out", tmp_path / "tr"], timeout=180,
         env=own_tmpdir(tmp_path))  # its torchelastic_... folder lands there, not in /tmp
     state, metrics = load_run(tmp_path / "tr")
-    assert metrics["world_size"] == 3
+    assert metrics["world_size"] == 2 and metrics["nodes"] == 1
     reference = recipe.train_reference(epochs=1)
     assert max_abs_diff(state, reference) <= 1e-4
     proc = run_lesson("06", "--epochs", "1", "--out", tmp_path / "py")
@@ -61,13 +67,15 @@ def test_a_missing_node_times_out_with_a_clear_message(tmp_path):
 
 
 def test_a_crashing_worker_is_named_and_stops_every_node(tmp_path):
+    """One worker per node (make lesson-06 above checks the 2 x 2 rank layout): node 1's
+    rank 1 crashes; node 0's rank 0 and both agents must stop, and the summary names it."""
     start = time.time()
-    proc = run([*NODES, "--nnodes", "2", "--nproc-per-node", "2", "--", LESSON,
-                "--crash-rank", "3", "--out", tmp_path / "out"], check=False, timeout=180,
+    proc = run([*NODES, "--nnodes", "2", "--nproc-per-node", "1", "--", LESSON,
+                "--crash-rank", "1", "--out", tmp_path / "out"], check=False, timeout=180,
                env=own_tmpdir(tmp_path))
     assert left_in(tmp_path) == []
     assert time.time() - start < 120
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert "rank 3 on node 1 failed first: RuntimeError: deliberate crash" in last
+    assert "rank 1 on node 1 failed first: RuntimeError: deliberate crash" in last
     assert not (tmp_path / "out" / "final.pt").exists()
