@@ -4,8 +4,9 @@ Three lesson runs are shared by the file:
 * "stopped": 2 ranks stop after step 3 of 6 and leave a DCP checkpoint (`ckpt`);
 * "seven": a --seed 7 run on 2 ranks saves a whole checkpoint of its own (`seven`), then is
   killed in the middle of its asynchronous save, into a folder that held a copy of `ckpt`
-  (rank 1 is SIGKILLed by a sitecustomize hook, written below, after it wrote 3 pieces of
-  its shard): that copy must come through byte for byte, nothing left beside it;
+  (rank 1 is SIGKILLed by a hook after it wrote 3 pieces of its shard: the job's script is
+  the lesson behind that hook, written below): that copy must come through byte for byte,
+  nothing left beside it;
 * "resumed": 3 ranks resume from `ckpt` (DCP reshards 2 -> 3) and must end with the
   uninterrupted run's weights (lesson 13's reference, within 1e-3).
 Everything else is refused in the launcher before any rank starts, so it is checked
@@ -13,16 +14,17 @@ in-process: one line, exit 2, nothing changed. Crafted pickles (a `.metadata` or
 whose __reduce__ calls eval) must never run: each writes a marker file if it does.
 """
 import builtins
+import contextlib
 import hashlib
 import io
 import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,30 +33,48 @@ import torch
 
 from common import transformer as T
 from apparatus.state_dicts import load_into
-from conftest import ROOT, import_lesson, load_run, max_abs_diff, one_error_line, parse_error, run_lesson
+from conftest import (ROOT, import_lesson, lesson_path, load_run, max_abs_diff, one_error_line,
+                      parse_error, run, run_lesson)
 
 STEPS, STOP = 6, 3
 
-# Runs at the start of every Python of the "seven" job (PYTHONPATH): in rank 1, while it writes
-# the asynchronous checkpoint, kill it with SIGKILL after its third piece, mid-shard.
-KILL_HOOK = '''
+# The "seven" job's script: lesson 16 itself, with a hook that SIGKILLs rank 1 while it writes
+# the asynchronous checkpoint, after its third piece, mid-shard. The ranks import the job's
+# script (as __mp_main__), so the hook is in them too. A script, not a sitecustomize on
+# PYTHONPATH (as before): a changed PYTHONPATH needs a new Python, and a new fork server,
+# about 11 CPU s; `python script.py` is forked from the tests' zygote (tests/zygote.py).
+KILLED_LESSON = '''"""Lesson 16 with rank {rank} SIGKILLed after the 3rd piece it writes of the asynchronous checkpoint."""
 import os
-if os.environ.get("LESSON16_TEST_KILL_RANK"):
-    import signal
-    import torch.distributed.checkpoint.filesystem as fs
-    _write_item, _written = fs._write_item, []
+import signal
 
-    def _write_then_die(transforms, stream, *args, **kwargs):
-        result = _write_item(transforms, stream, *args, **kwargs)
-        if (os.environ.get("RANK") == os.environ["LESSON16_TEST_KILL_RANK"]
-                and "checkpoint-async" in str(getattr(stream, "name", ""))):
-            _written.append(1)
-            if len(_written) == 3:
-                stream.flush()  # three pieces on disk, the rest never
-                os.kill(os.getpid(), signal.SIGKILL)
-        return result
+import torch.distributed.checkpoint.filesystem as fs
 
-    fs._write_item = _write_then_die
+_write_item, _written = fs._write_item, []
+
+
+def _write_then_die(transforms, stream, *args, **kwargs):
+    result = _write_item(transforms, stream, *args, **kwargs)
+    if os.environ.get("RANK") == "{rank}" and "checkpoint-async" in str(getattr(stream, "name", "")):
+        _written.append(1)
+        if len(_written) == 3:
+            stream.flush()  # three pieces on disk, the rest never
+            os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+
+fs._write_item = _write_then_die
+
+# The lesson's code runs here, as this module's (its __doc__, its worker), with the lesson's
+# own __file__ while it runs (its sys.path lines); then ours again, so that the ranks import
+# this file and not the lesson.
+_source = open({lesson!r}).read()
+_guard = 'if __name__ == "__main__":\\n    run(main)\\n'
+assert _source.endswith(_guard), "lesson 16 no longer ends with its usual guard"
+_ours, __file__ = __file__, {lesson!r}
+exec(compile(_source[:-len(_guard)], {lesson!r}, "exec"))
+__file__ = _ours
+if __name__ == "__main__":
+    run(main)
 '''
 
 
@@ -75,14 +95,12 @@ def runs(tmp_path_factory, reference):
                          "--stop-at-step", STOP, "--checkpoint", ckpt, "--out", base / "stopped",
                          timeout=240)
     saved = _bytes(ckpt)
-    (base / "hook").mkdir()
-    (base / "hook" / "sitecustomize.py").write_text(KILL_HOOK)
+    killed = base / "lesson16_rank1_killed.py"
+    killed.write_text(KILLED_LESSON.format(rank=1, lesson=str(lesson_path("16"))))
     shutil.copytree(ckpt, base / "seven-out" / "checkpoint-async")  # the earlier checkpoint there
-    env = {"LESSON16_TEST_KILL_RANK": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(base / "hook"), os.environ.get("PYTHONPATH")]))}
-    seven = run_lesson("16", "--device", "cpu", "--world-size", 2, "--steps", STEPS, "--seed", 7,
-                       "--checkpoint", base / "seven", "--out", base / "seven-out", timeout=240,
-                       check=False, env=env)
+    seven = run([sys.executable, killed, "--device", "cpu", "--world-size", 2, "--steps", STEPS,
+                 "--seed", 7, "--checkpoint", base / "seven", "--out", base / "seven-out"],
+                timeout=240, check=False)
     resumed = run_lesson("16", "--device", "cpu", "--world-size", 3, "--steps", STEPS,
                          "--resume", ckpt, "--checkpoint", base / "ckpt3", "--out", base / "resumed",
                          timeout=240, check=False)
@@ -356,27 +374,42 @@ def test_a_changed_shard_is_refused(runs, tmp_path, monkeypatch, capsys, damage)
 def test_two_jobs_on_one_checkpoint_the_second_stops_at_once(runs, tmp_path):
     """A second job that would write the same --checkpoint (or the same --out) while the
     first holds it stops before doing anything, with one line naming the first job."""
-    holder = subprocess.Popen(  # the first job: holds the checkpoint's lock (beside it) and --out's
-        [sys.executable, "-c",
-         "import fcntl, os, sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path\n"
-         "from apparatus.results import claim_out; claim_out(Path(sys.argv[3]))\n"
-         "fd = os.open(sys.argv[2], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX)\n"
-         "os.write(fd, str(os.getpid()).encode()); print('held', flush=True); sys.stdin.read()",
-         str(ROOT), str(tmp_path / ".ckpt.lock"), str(tmp_path / "out")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        for flags, flag in (([tmp_path / "ckpt", "--out", tmp_path / "out2"], "--checkpoint"),
-                            ([tmp_path / "ckpt2", "--out", tmp_path / "out"], "--out")):
-            start = time.monotonic()
-            proc = run_lesson("16", "--device", "cpu", "--checkpoint", *flags, check=False, timeout=60)
-            line = one_error_line(proc)
-            assert proc.returncode == 2 and f"{flag} {tmp_path}" in line and "is in use by another job" in line
-            assert f"(pid {holder.pid})" in line and "Step 1" not in proc.stdout
-            assert time.monotonic() - start < 30
-    finally:
-        holder.stdin.close()
-        holder.wait(30)
+    # The first job holds the checkpoint's lock (beside it) and --out's, as a lesson run does,
+    # until the test opens and closes the fifo `release`. `python script.py`: forked from the
+    # tests' zygote (torch, which apparatus.results imports, already there), not a new Python.
+    script, held, release = tmp_path / "holder.py", tmp_path / "held", tmp_path / "release"
+    script.write_text(
+        "import fcntl, os, sys; sys.path.insert(0, sys.argv[5]); from pathlib import Path\n"
+        "from apparatus.results import claim_out; claim_out(Path(sys.argv[2]))\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, str(os.getpid()).encode())\n"
+        "Path(sys.argv[3] + '.tmp').write_text(str(os.getpid())); os.replace(sys.argv[3] + '.tmp', sys.argv[3])\n"
+        "with open(sys.argv[4]) as f: f.read()  # until the test opens and closes the fifo\n")
+    os.mkfifo(release)
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(run, [sys.executable, script, tmp_path / ".ckpt.lock", tmp_path / "out", held,
+                                   release, ROOT], timeout=120)
+        try:
+            deadline = time.monotonic() + 100
+            while not held.exists() and not holder.done() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert held.exists(), holder.result() if holder.done() else "the holder did not start"
+            holder_pid = int(held.read_text())
+            for flags, flag in (([tmp_path / "ckpt", "--out", tmp_path / "out2"], "--checkpoint"),
+                                ([tmp_path / "ckpt2", "--out", tmp_path / "out"], "--out")):
+                start = time.monotonic()
+                proc = run_lesson("16", "--device", "cpu", "--checkpoint", *flags, check=False, timeout=60)
+                line = one_error_line(proc)
+                assert proc.returncode == 2 and f"{flag} {tmp_path}" in line and "is in use by another job" in line
+                assert f"(pid {holder_pid})" in line and "Step 1" not in proc.stdout
+                assert time.monotonic() - start < 30
+        finally:  # opened for writing and closed: the holder reads the end, and exits
+            deadline = time.monotonic() + 100
+            while not holder.done() and time.monotonic() < deadline:
+                with contextlib.suppress(OSError):  # ENXIO: not reading yet, or gone
+                    os.close(os.open(release, os.O_WRONLY | os.O_NONBLOCK))
+                time.sleep(0.05)
+        assert holder.result().returncode == 0  # it held both locks until released
 
 
 # --- item 4: bad input, one line before any training -------------------------------------------
