@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, lesson_path
+from conftest import ROOT, _zygote, lesson_path
 
 SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
 
@@ -25,14 +25,22 @@ LESSONS = sorted(p.name[:2] for p in (ROOT / "lessons").glob("[0-9][0-9]_*.py"))
 
 
 class Terminal:
-    """A lesson running in a pseudo-terminal, as if typed into a shell."""
+    """A lesson running in a pseudo-terminal, as if typed into a shell: a session of its own,
+    the terminal its stdin, stdout, stderr and controlling terminal. forked=True: the command
+    (`python script.py ...`) is a child of the test zygote (tests/zygote.py: torch already
+    imported), as conftest.run's commands are; otherwise a real new process."""
 
-    def __init__(self, *args, argv: list[str] | None = None, env: dict | None = None):
+    def __init__(self, *args, argv: list[str] | None = None, env: dict | None = None,
+                 forked: bool = False):
         self.master, slave = pty.openpty()
         env = {**os.environ, "COLUMNS": "120", "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(argv or [sys.executable, *map(str, args)], cwd=ROOT, env=env,
-                                     stdin=slave, stdout=slave, stderr=slave,
-                                     start_new_session=True)
+        argv = [str(a) for a in argv or [sys.executable, *args]]
+        if forked and _zygote().usable(argv, env, {}, cwd=ROOT):
+            self.proc = _zygote().start_in_terminal(argv, ROOT, env, os.ttyname(slave))
+        else:
+            assert not forked, f"not a command the zygote can run: {argv}"
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=slave, stdout=slave,
+                                         stderr=slave, start_new_session=True)
         os.close(slave)
         self.text = ""
 
@@ -83,15 +91,43 @@ def session_processes(sid: int) -> list[str]:
     return left
 
 
+# What `make lesson-NN STEP=1 ARGS=...` runs (the Makefile's lesson-% rule): .venv/bin/python,
+# the lesson's launcher where it has one (RUN_06, RUN_07), the lesson file, --step, ARGS.
+LAUNCHERS = dict(re.findall(r"^RUN_(\d\d) := (.*)$", (ROOT / "Makefile").read_text(), re.M))
+THROUGH_MAKE = ("01", "06")  # typed as the learner types it; the others run make's command
+
+
+def make_command(lesson: str, *args) -> list[str]:
+    return [sys.executable, *LAUNCHERS.get(lesson, "").split(), str(lesson_path(lesson)),
+            "--step", *map(str, args)]
+
+
+def test_make_command_is_what_make_runs():
+    """make_command follows the Makefile's lesson-% rule (`make -n` would run the lesson: the
+    rule's line calls $(MAKE)). If the rule changes, change make_command with it."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert "STEP_FLAG := $(if $(filter-out 0,$(STEP)),--step)" in makefile
+    assert "$(PY) $(RUN_$(call PAD,$*)) $$f $(STEP_FLAG) $(ARGS)" in makefile
+    assert "PY := $(VENV)/bin/python" in makefile and "VENV := .venv" in makefile
+    assert (ROOT / ".venv/bin/python").absolute() == Path(sys.executable).absolute() or \
+        os.path.samefile(ROOT / ".venv/bin/python", sys.executable)
+    assert set(LAUNCHERS) == {"06", "07"} and all(v.endswith("--") for v in LAUNCHERS.values())
+
+
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_every_lesson_pauses_goes_on_and_quits_at_once(lesson, tmp_path):
     """make lesson-NN STEP=1, as a learner types it: the first pause, Enter, the next step's
     heading, the next pause, one `q`: the lesson ends within seconds, exit code 0, no process
-    of its session is left (ranks, fork server, simulated nodes), and its $TMPDIR is empty."""
+    of its session is left (ranks, fork server, simulated nodes), and its $TMPDIR is empty.
+    Lessons 01 and 06 through make itself; the others run make's command forked from the test
+    zygote (torch already imported: the pty runs of every lesson cost a worker 6 minutes)."""
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     tmp.mkdir()
-    t = Terminal(argv=["make", "-s", f"lesson-{lesson}", "STEP=1", f"ARGS=--out {out}"],
-                 env={"TMPDIR": str(tmp)})
+    if lesson in THROUGH_MAKE:
+        t = Terminal(argv=["make", "-s", f"lesson-{lesson}", "STEP=1", f"ARGS=--out {out}"],
+                     env={"TMPDIR": str(tmp)})
+    else:
+        t = Terminal(argv=make_command(lesson, "--out", out), env={"TMPDIR": str(tmp)}, forked=True)
     try:
         first = t.expect(r"next: Step (\d+): .*?\n", timeout=150)
         t.expect(r"\[Enter\] next step, \[q\] quit")

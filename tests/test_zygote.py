@@ -143,7 +143,7 @@ def test_a_changed_import_time_variable_starts_a_new_zygote(monkeypatch):
 
 
 RANKS = textwrap.dedent('''
-    import json, os, signal, sys
+    import json, os, signal, sys, tempfile
     sys.path.insert(0, os.getcwd())
     from common.processes import start_ranks
 
@@ -155,7 +155,7 @@ RANKS = textwrap.dedent('''
             "fds": sorted(os.listdir("/proc/self/fd")), "path": sys.path, "cwd": os.getcwd(),
             "main": sys.modules["__main__"].__name__, "env": os.environ.get("ZYGOTE_TEST"),
             "sigint": str(signal.getsignal(signal.SIGINT)), "dynamo": "torch._dynamo" in sys.modules,
-            "argv": sys.argv})
+            "argv": sys.argv, "tmp": tempfile.gettempdir()})
 
     if __name__ == "__main__":
         print(os.getpid())
@@ -170,7 +170,9 @@ def test_a_commands_fork_server_is_forked_too_and_serves_as_the_real_one(tmp_pat
     the same descriptors, path, __main__, environment, directory and SIGINT handler."""
     path = tmp_path / "ranks.py"
     path.write_text(RANKS)
-    real, forked = both(path, timeout=240)  # a real Python imports torch and torch._dynamo twice
+    tmp = tmp_path / "tmp"  # the command's $TMPDIR, not the zygote's (Python keeps the first it reads)
+    tmp.mkdir()
+    real, forked = both(path, timeout=240, env={"TMPDIR": str(tmp)})  # a real Python imports torch and torch._dynamo twice
     assert real.returncode == forked.returncode == 0, forked.stderr
     (real_pid, *a), (forked_pid, *b) = real.stdout.splitlines(), forked.stdout.splitlines()
     a, b = [json.loads(x) for x in a], [json.loads(x) for x in b]
@@ -179,6 +181,7 @@ def test_a_commands_fork_server_is_forked_too_and_serves_as_the_real_one(tmp_pat
     assert [r["server_parent"] for r in a] == [real_pid] * 2
     assert [r["server_parent"] for r in b] == [forked_pid] * 2
     for x, y in zip(a, b):
+        assert x["tmp"] == y["tmp"] == str(tmp)
         for key in ("fds", "path", "cwd", "main", "env", "sigint", "dynamo", "argv"):
             assert x[key] == y[key], (key, x[key], y[key])
 

@@ -92,13 +92,28 @@ def _become(request: dict) -> str:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        out = os.open(path, os.O_WRONLY | os.O_TRUNC)
-        os.dup2(out, fd)
-        os.close(out)
+    # Python reads $TMPDIR once and keeps it (tempfile.tempdir; torch._dynamo's import asks):
+    # the command's $TMPDIR, not the zygote's
+    tempfile.tempdir = None
+    import multiprocessing.process
+    multiprocessing.process.current_process()._config.pop("tempdir", None)
+    if request.get("tty"):  # a terminal of its own, as `start_new_session=True` on a pty gives
+        import fcntl
+        import termios
+        os.setsid()
+        tty = os.open(request["tty"], os.O_RDWR)
+        fcntl.ioctl(tty, termios.TIOCSCTTY, 0)  # its controlling terminal: keys, Ctrl-C, job control
+        for fd in (0, 1, 2):
+            os.dup2(tty, fd)
+        os.close(tty)
+    else:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            out = os.open(path, os.O_WRONLY | os.O_TRUNC)
+            os.dup2(out, fd)
+            os.close(out)
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
@@ -280,6 +295,9 @@ class Zygote:
                 slot.update(message)
                 if "code" in message:
                     slot["done"].set()
+                    if slot.get("in_terminal"):  # nobody else waits for it: not busy any more
+                        with self.lock:
+                            self.waiting.pop(message["id"], None)
                 else:
                     slot["started"].set()
         with self.lock:  # the zygote died: nobody will answer
@@ -333,6 +351,21 @@ class Zygote:
         return (f"the test zygote has died (exit code {self.proc.poll()}); its last words: "
                 f"{self.log.read()[-2000:]!r}")
 
+    def start_in_terminal(self, cmd, cwd, env: dict, tty: str) -> "Started":
+        """Start `python script.py ...` with the terminal `tty` (a pty's slave) as its stdin,
+        stdout, stderr and controlling terminal, in a session of its own (as subprocess.Popen
+        with start_new_session=True on that pty); return at once, with its pid."""
+        with self.lock:
+            self.next_id += 1
+            rid = self.next_id
+            slot = self.waiting[rid] = {"started": threading.Event(), "done": threading.Event(),
+                                        "in_terminal": True}
+        self._send({"id": rid, "argv": [str(c) for c in cmd[1:]], "env": env, "cwd": str(cwd),
+                    "tty": tty})
+        if not slot["started"].wait(60) or slot.get("pid") is None:
+            raise RuntimeError(f"{' '.join(map(str, cmd))}: {self._death()}")
+        return Started(self, rid, slot)
+
     def run(self, cmd, cwd, env: dict, timeout: float | None) -> subprocess.CompletedProcess:
         """As subprocess.run(cmd, capture_output=True, text=True, timeout=...)."""
         with tempfile.TemporaryDirectory(prefix="zygote-") as folder:
@@ -360,6 +393,28 @@ class Zygote:
             if slot.get("code") is None:
                 raise RuntimeError(f"{' '.join(map(str, cmd))}: {self._death()}")
             return subprocess.CompletedProcess(list(map(str, cmd)), slot["code"], out, err)
+
+
+class Started:
+    """A command started by Zygote.start_in_terminal: as much of subprocess.Popen as a test
+    of a terminal program needs (pid, poll, wait, kill)."""
+
+    def __init__(self, zygote: Zygote, rid: int, slot: dict):
+        self.zygote, self.rid, self.slot, self.pid = zygote, rid, slot, slot["pid"]
+
+    def poll(self) -> int | None:
+        return self.slot.get("code") if self.slot["done"].is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self.slot["done"].wait(timeout):
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        with self.zygote.lock:
+            self.zygote.waiting.pop(self.rid, None)
+        return self.slot.get("code")
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            self.zygote._send({"id": 0, "kill": self.pid})
 
 
 if __name__ == "__main__":
