@@ -5,6 +5,7 @@ Not a pitfall: lessons/12_pitfalls.py and every file beside this one import it.
 import os
 import re
 import sys
+import time
 
 if __name__ == "__main__":  # a helper, not a pitfall: one line instead of an ImportError
     sys.exit("error: kit.py holds lesson 12's helpers and runs nothing; run "
