@@ -136,6 +136,8 @@ def main() -> None:
     import torch.multiprocessing  # noqa: F401
     import torch._dynamo  # noqa: F401  (what start_ranks preloads in its fork server)
     import rich.console  # noqa: F401
+    import gc
+    gc.freeze()  # what is here now stays out of every child's collections (copy-on-write)
     os.write(1, b'{"ready": true}\n')
     try:
         _serve()
