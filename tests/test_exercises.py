@@ -3,14 +3,14 @@
 A check that passes on the starter could not tell a learner anything; one that fails on the
 solution would reject correct work. Both directions are tested for every checked exercise.
 """
+import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run
+from conftest import ROOT, _zygote, run
 
 sys.path.insert(0, str(ROOT / "tools"))
 from check_exercise import all_checks, main  # noqa: E402
@@ -23,28 +23,22 @@ CHECK = [sys.executable, "tools/check_exercise.py"]
 
 
 _REAL_RUN = subprocess.run
-_INSIDE = threading.local()
 
 
 def _forked_run(cmd, *, cwd=None, capture_output=False, text=False, timeout=None, check=False,
                 stdin=None, **other):
-    """subprocess.run as the checks call it, for `python FILE.py ...` from the repository
-    root: the same command, run by conftest.run (a fork of the test zygote, which has torch
-    imported already, instead of a new Python importing it: about 5 CPU s for each of check 06's
-    tools/nodes.py and check 23's lesson runs). The same arguments, exit code and output;
-    anything else (other options, another program) goes to the real subprocess.run."""
-    ours = (not other and capture_output and stdin in (None, subprocess.DEVNULL)
-            and isinstance(cmd, list) and len(cmd) > 1 and cmd[0] == sys.executable
-            and str(cmd[1]).endswith(".py") and cwd is not None
-            and Path(cwd).resolve() == ROOT and not getattr(_INSIDE, "active", False))
-    if not ours:
+    """subprocess.run as the checks call it; `python FILE.py ...` from the repository root runs
+    as a fork of the test zygote (torch imported already, instead of a new Python importing
+    it: about 5 CPU s for each of check 06's tools/nodes.py and check 23's lesson runs), with
+    the same environment, exit code and output. Whatever the zygote cannot run (usable: other
+    options, another program, a changed import-time variable) goes to the real one."""
+    env = dict(os.environ)
+    if not (capture_output and stdin in (None, subprocess.DEVNULL) and isinstance(cmd, list)
+            and cwd is not None and Path(cwd).resolve() == ROOT
+            and _zygote().usable(cmd, env, other, cwd=ROOT)):
         return _REAL_RUN(cmd, cwd=cwd, capture_output=capture_output, text=text,
                          timeout=timeout, check=check, stdin=stdin, **other)
-    _INSIDE.active = True  # conftest.run's own fallback is the real subprocess.run
-    try:
-        proc = run([str(c) for c in cmd], timeout=timeout, check=False)
-    finally:
-        _INSIDE.active = False
+    proc = _zygote().run([str(c) for c in cmd], cwd=ROOT, env=env, timeout=timeout)
     out, err = (proc.stdout, proc.stderr) if text else (proc.stdout.encode(), proc.stderr.encode())
     if check and proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)

@@ -35,6 +35,13 @@ IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP", "CUDA", "NCCL"
                "MALLOC")
 
 
+def import_time_changes(env: dict, started_with: dict, ignore=("PYTHONUNBUFFERED",)) -> set:
+    """The variables read while torch is imported (IMPORT_TIME) whose value in `env` differs
+    from `started_with`'s."""
+    return {k for k in env.keys() | started_with.keys()
+            if k.startswith(IMPORT_TIME) and k not in ignore and env.get(k) != started_with.get(k)}
+
+
 class _Child(Exception):
     def __init__(self, request: dict):
         self.request = request
@@ -194,11 +201,9 @@ def _stand_by_as_fork_server() -> None:
     def spawnv_passfds(path, args, passfds):
         cmd = str(args[-1]) if len(args) >= 2 and args[-2] == "-c" else ""
         env = dict(os.environ)
-        import_time = {k for k in env.keys() | _STARTED_WITH["env"].keys()
-                       if k.startswith(IMPORT_TIME) and k not in ("PYTHONPATH", "PYTHONUNBUFFERED")
-                       and env.get(k) != _STARTED_WITH["env"].get(k)}
+        changed = import_time_changes(env, _STARTED_WITH["env"], ("PYTHONPATH", "PYTHONUNBUFFERED"))
         if (not cmd.startswith(_FORK_SERVER_CMD) or os.getpid() != command or ours.fileno() < 0
-                or import_time):
+                or changed):
             return real(path, args, passfds)
         passfds = sorted(map(int, passfds))
         request = {"cmd": cmd, "passfds": passfds, "env": env, "cwd": os.getcwd(),
@@ -309,8 +314,15 @@ class Zygote:
                 slot["done"].set()
 
     def _import_time_changes(self, env) -> set:
-        changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return {k for k in changed - {"PYTHONUNBUFFERED"} if k.startswith(IMPORT_TIME)}
+        return import_time_changes(env, self.env)
+
+    def _new_slot(self, **extra) -> tuple[int, dict]:
+        """A request id, and the slot where the reader thread puts its pid and exit code."""
+        with self.lock:
+            self.next_id += 1
+            slot = self.waiting[self.next_id] = {"started": threading.Event(),
+                                                 "done": threading.Event(), **extra}
+            return self.next_id, slot
 
     def stale(self, env) -> bool:
         """This process's environment now differs from the zygote's where torch's import reads
@@ -357,11 +369,7 @@ class Zygote:
         """Start `python script.py ...` with the terminal `tty` (a pty's slave) as its stdin,
         stdout, stderr and controlling terminal, in a session of its own (as subprocess.Popen
         with start_new_session=True on that pty); return at once, with its pid."""
-        with self.lock:
-            self.next_id += 1
-            rid = self.next_id
-            slot = self.waiting[rid] = {"started": threading.Event(), "done": threading.Event(),
-                                        "in_terminal": True}
+        rid, slot = self._new_slot(in_terminal=True)
         self._send({"id": rid, "argv": [str(c) for c in cmd[1:]], "env": env, "cwd": str(cwd),
                     "tty": tty})
         if not slot["started"].wait(60) or slot.get("pid") is None:
@@ -374,10 +382,7 @@ class Zygote:
             paths = [os.path.join(folder, name) for name in ("stdout", "stderr")]
             for path in paths:
                 open(path, "w").close()
-            with self.lock:
-                self.next_id += 1
-                rid = self.next_id
-                slot = self.waiting[rid] = {"started": threading.Event(), "done": threading.Event()}
+            rid, slot = self._new_slot()
             try:
                 self._send({"id": rid, "argv": [str(c) for c in cmd[1:]], "env": env,
                             "cwd": str(cwd), "stdout": paths[0], "stderr": paths[1]})
