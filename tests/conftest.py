@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -29,6 +30,18 @@ def lesson_path(number: str) -> Path:
     matches = sorted((ROOT / "lessons").glob(f"{number}_*.py"))
     assert matches, f"no lesson {number}"
     return matches[0]
+
+
+# What `make lesson-NN [STEP=1] ARGS=...` runs (the Makefile's lesson-% rule): .venv/bin/python,
+# the lesson's launcher where it has one (RUN_06, RUN_07), the lesson file, --step, ARGS.
+# tests/test_step_mode.py ties it to the rule. Run through conftest.run, it is forked from the
+# test zygote, and so is every Python it starts (tests/zygote.py); through make, each is new.
+LAUNCHERS = dict(re.findall(r"^RUN_(\d\d) := (.*)$", (ROOT / "Makefile").read_text(), re.M))
+
+
+def make_command(lesson: str, *args, step: bool = False) -> list[str]:
+    return [sys.executable, *LAUNCHERS.get(lesson, "").split(), str(lesson_path(lesson)),
+            *(["--step"] if step else []), *map(str, args)]
 
 
 def import_lesson(number: str):
@@ -71,6 +84,13 @@ def _zygote():
                 _ZYGOTE.pop().stop()
             _ZYGOTE.append(zygote)
     return _ZYGOTE[0]
+
+
+def described(pid: int) -> tuple[list[str], dict] | None:
+    """A process's command line and environment as a new Python's would be, also for a command
+    forked from the test zygote (whose /proc/PID/cmdline and environ are the zygote's)."""
+    from zygote import described as of
+    return of(pid, _ZYGOTE[0].registry if _ZYGOTE else None)
 
 
 def run(cmd: list[str], timeout: float = 120, env: dict | None = None,

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from common import recipe
-from conftest import load_run, max_abs_diff, run, run_lesson
+from conftest import load_run, make_command, max_abs_diff, run, run_lesson
 
 NODES = [sys.executable, "tools/nodes.py"]
 LESSON = "lessons/06_torchrun_multinode.py"
@@ -28,8 +28,8 @@ def left_in(tmp_path: Path) -> list[str]:
 
 
 def test_make_lesson_06_runs_two_nodes_and_matches_one_device(tmp_path, reference_3_epochs):
-    proc = run(["make", "-s", "lesson-06", f"ARGS=--out {tmp_path / 'out'}"], timeout=240,
-               env=own_tmpdir(tmp_path))
+    # make lesson-06's command, forked from the test zygote with every Python it starts
+    proc = run(make_command("06", "--out", tmp_path / "out"), timeout=240, env=own_tmpdir(tmp_path))
     assert left_in(tmp_path) == []
     assert not (tmp_path / "out" / "nodes" / "tmp").exists()
     state, metrics = load_run(tmp_path / "out")

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from common import recipe
-from conftest import (import_lesson, load_run, max_abs_diff, one_error_line, parse_error, run,
-                      run_lesson)
+from conftest import (described, import_lesson, load_run, make_command, max_abs_diff, one_error_line,
+                      parse_error, run, run_lesson)
 
 LESSON = "lessons/07_elastic.py"
 ELASTIC = [sys.executable, "tools/nodes.py", "--elastic", "--nnodes", "1",
@@ -75,7 +75,8 @@ def left_snapshot(tmp_path_factory):
 def test_make_lesson_07_fails_once_restarts_and_resumes_exactly(tmp_path, reference_3_epochs,
                                                                uninterrupted):
     start = time.time()
-    proc = run(["make", "-s", "lesson-07", f"ARGS=--out {tmp_path}"], timeout=180)
+    # make lesson-07's command, forked from the test zygote with every Python it starts
+    proc = run(make_command("07", "--out", tmp_path), timeout=180)
     elapsed = time.time() - start
     state, metrics = load_run(tmp_path)
     # one injected failure, one restart, resumed mid-epoch from the step-40 snapshot
@@ -106,20 +107,16 @@ def worker_pids(stdout_text):
 
 
 def first_attempt_worker(folder: Path, rank: int) -> int | None:
-    """The pid of attempt 1's worker `rank` of the job writing to `folder` (from /proc: its
-    command line names the folder; torchrun gave it RANK and TORCHELASTIC_RESTART_COUNT)."""
+    """The pid of attempt 1's worker `rank` of the job writing to `folder` (its command line
+    names the folder; torchrun gave it RANK and TORCHELASTIC_RESTART_COUNT)."""
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        seen = described(int(entry.name)) if entry.name.isdigit() else None
+        if seen is None:  # gone, or not ours
             continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if str(folder).encode() not in cmdline or b"torch.distributed.run" in cmdline:
-                continue
-            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0")
-                       if b"=" in item)
-        except OSError:  # gone, or not ours
+        cmdline, env = seen
+        if str(folder) not in cmdline or "torch.distributed.run" in cmdline:
             continue
-        if env.get(b"RANK") == str(rank).encode() and env.get(b"TORCHELASTIC_RESTART_COUNT") == b"0":
+        if env.get("RANK") == str(rank) and env.get("TORCHELASTIC_RESTART_COUNT") == "0":
             return int(entry.name)
     return None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _zygote, lesson_path
+from conftest import LAUNCHERS, ROOT, _zygote, lesson_path, make_command
 
 SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
 
@@ -91,15 +91,7 @@ def session_processes(sid: int) -> list[str]:
     return left
 
 
-# What `make lesson-NN STEP=1 ARGS=...` runs (the Makefile's lesson-% rule): .venv/bin/python,
-# the lesson's launcher where it has one (RUN_06, RUN_07), the lesson file, --step, ARGS.
-LAUNCHERS = dict(re.findall(r"^RUN_(\d\d) := (.*)$", (ROOT / "Makefile").read_text(), re.M))
-THROUGH_MAKE = ("01", "06")  # typed as the learner types it; the others run make's command
-
-
-def make_command(lesson: str, *args) -> list[str]:
-    return [sys.executable, *LAUNCHERS.get(lesson, "").split(), str(lesson_path(lesson)),
-            "--step", *map(str, args)]
+THROUGH_MAKE = ("01",)  # typed as the learner types it; the others run make's command
 
 
 def test_make_command_is_what_make_runs():
@@ -119,15 +111,16 @@ def test_every_lesson_pauses_goes_on_and_quits_at_once(lesson, tmp_path):
     """make lesson-NN STEP=1, as a learner types it: the first pause, Enter, the next step's
     heading, the next pause, one `q`: the lesson ends within seconds, exit code 0, no process
     of its session is left (ranks, fork server, simulated nodes), and its $TMPDIR is empty.
-    Lessons 01 and 06 through make itself; the others run make's command forked from the test
-    zygote (torch already imported: the pty runs of every lesson cost a worker 6 minutes)."""
+    Lesson 01 through make itself; the others run make's command forked from the test zygote,
+    and so is every Python that command starts (tests/zygote.py: torch already imported; the
+    pty runs of every lesson cost a worker 6 minutes)."""
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     tmp.mkdir()
     if lesson in THROUGH_MAKE:
         t = Terminal(argv=["make", "-s", f"lesson-{lesson}", "STEP=1", f"ARGS=--out {out}"],
                      env={"TMPDIR": str(tmp)})
     else:
-        t = Terminal(argv=make_command(lesson, "--out", out), env={"TMPDIR": str(tmp)}, forked=True)
+        t = Terminal(argv=make_command(lesson, "--out", out, step=True), env={"TMPDIR": str(tmp)}, forked=True)
     try:
         first = t.expect(r"next: Step (\d+): .*?\n", timeout=150)
         t.expect(r"\[Enter\] next step, \[q\] quit")

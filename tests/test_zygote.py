@@ -1,6 +1,7 @@
 """tests/zygote.py: a command forked from the zygote behaves as `python script.py` would."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -209,3 +210,93 @@ def _stat_field(pid: str, index: int) -> str | None:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[index]
     except OSError:
         return None
+
+
+POPEN_PARENT = textwrap.dedent('''
+    import json, os, signal, subprocess, sys
+    if __name__ == "__main__":
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a new Python inherits what is ignored
+        r, w = os.pipe()
+        child = subprocess.Popen(
+            [sys.executable, "-u", sys.argv[1], str(w)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=sys.argv[2], pass_fds=(w,),
+            env={**os.environ, "CHILD_VAR": "set", "OMP_NUM_THREADS": "1",
+                 "TORCHELASTIC_RUN_ID": "x"}, start_new_session=True, text=True)
+        os.close(w)
+        out, _ = child.communicate("from the parent", timeout=120)
+        print(json.dumps({"out": out, "code": child.returncode, "pid": child.pid,
+                          "ppid_was_us": json.loads(out.splitlines()[0])["ppid"] == os.getpid(),
+                          "through_pass_fd": os.read(r, 100).decode()}))
+''')
+
+POPEN_CHILD = textwrap.dedent('''
+    import json, os, signal, sys, torch
+    fd = int(sys.argv[1])
+    print(json.dumps({"ppid": os.getppid(), "own_session": os.getsid(0) == os.getpid(),
+                      "argv": sys.argv[0], "path0": sys.path[0], "cwd": os.getcwd(),
+                      "var": os.environ.get("CHILD_VAR"), "stdin": sys.stdin.read(),
+                      # fd, and not the socket to its own nursery, when forked (1000 and up)
+                      "fds": sorted(f for f in os.listdir("/proc/self/fd") if f != sys.argv[1]
+                                    and int(f) < 1000),
+                      "main": __name__,
+                      "sigint": str(signal.getsignal(signal.SIGINT)),
+                      "sighup": str(signal.getsignal(signal.SIGHUP)),
+                      "sigterm": str(signal.getsignal(signal.SIGTERM)),
+                      "threads": torch.get_num_threads(),
+                      "forked": b"zygote.py" in open("/proc/self/cmdline", "rb").read()}))
+    os.write(fd, b"written")
+    print("to stderr", file=sys.stderr)
+    sys.exit(3)
+''')
+
+
+def test_a_commands_python_subprocess_is_forked_and_behaves_as_a_new_one(tmp_path):
+    """subprocess.Popen([sys.executable, "-u", script, ...]) in a command (tools/nodes.py's
+    agents, torchrun's workers): a new Python in a real Python, the command's nursery's child
+    under the zygote. Either way it is the command's child, in its own session, with Popen's
+    pipes, passed descriptor, environment, directory, argv, and what the command ignores."""
+    parent, child = tmp_path / "parent.py", tmp_path / "child.py"
+    parent.write_text(POPEN_PARENT)
+    child.write_text(POPEN_CHILD)
+    real, forked = both(parent, child, tmp_path, timeout=240)
+    assert real.returncode == forked.returncode == 0, forked.stderr
+    a, b = json.loads(real.stdout), json.loads(forked.stdout)
+    assert a["ppid_was_us"] and b["ppid_was_us"]
+    for result in (a, b):
+        assert result["code"] == 3 and result["through_pass_fd"] == "written"
+        assert result["out"].splitlines()[1:] == ["to stderr"]
+    x, y = (json.loads(r["out"].splitlines()[0]) for r in (a, b))
+    for key in ("own_session", "argv", "path0", "cwd", "var", "stdin", "fds", "main", "sigint",
+                "sighup", "sigterm", "threads"):
+        assert x[key] == y[key], (key, x[key], y[key])
+    assert y["threads"] == 1 and y["sighup"] == str(int(signal.SIG_IGN)) and y["stdin"] == "from the parent"
+    # and the forked one really was forked (its /proc/PID/cmdline is the zygote's)
+    assert not x["forked"] and y["forked"]
+
+
+def test_described_gives_a_forked_commands_own_command_line_and_environment(script, tmp_path):
+    from conftest import described
+    pid_file = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        import threading
+        seen = {}
+
+        def look():
+            import time
+            deadline = time.time() + 30
+            while not pid_file.exists() or not pid_file.read_text():
+                if time.time() > deadline:
+                    return
+                time.sleep(0.05)
+            pid = int(pid_file.read_text())
+            seen["proc"] = open(f"/proc/{pid}/cmdline", "rb").read()
+            seen["described"] = described(pid)
+        looker = threading.Thread(target=look)
+        looker.start()
+        _zygote().run([sys.executable, str(script), "sleep", pid_file], cwd=ROOT,
+                      env={**os.environ, "ZYGOTE_TEST": "described"}, timeout=5)
+    looker.join()
+    assert b"zygote.py" in seen["proc"]  # what /proc says of a forked command
+    cmdline, env = seen["described"]
+    assert cmdline == [sys.executable, str(script), "sleep", str(pid_file)]
+    assert env["ZYGOTE_TEST"] == "described"

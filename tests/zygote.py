@@ -37,9 +37,10 @@ IMPORT_TIME = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP", "CUDA", "NCCL"
 
 def import_time_changes(env: dict, started_with: dict, ignore=("PYTHONUNBUFFERED",)) -> set:
     """The variables read while torch is imported (IMPORT_TIME) whose value in `env` differs
-    from `started_with`'s."""
+    from `started_with`'s, leaving out those `ignore` names (or begins)."""
     return {k for k in env.keys() | started_with.keys()
-            if k.startswith(IMPORT_TIME) and k not in ignore and env.get(k) != started_with.get(k)}
+            if k.startswith(IMPORT_TIME) and not k.startswith(tuple(ignore))
+            and env.get(k) != started_with.get(k)}
 
 
 class _Child(Exception):
@@ -95,7 +96,8 @@ def _serve() -> None:
 def _become(request: dict) -> str:
     """In the child: take the command's stdio, environment, directory and argv."""
     import io
-    _set_parent_death_signal()  # the zygote (so the tests) gone: so are we
+    if not request.get("launched"):  # a nursery's child keeps the parent its command gave it
+        _set_parent_death_signal()  # the zygote (so the tests) gone: so are we
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -104,7 +106,9 @@ def _become(request: dict) -> str:
     tempfile.tempdir = None
     import multiprocessing.process
     multiprocessing.process.current_process()._config.pop("tempdir", None)
-    if request.get("tty"):  # a terminal of its own, as `start_new_session=True` on a pty gives
+    if request.get("launched"):  # stdio is in place already (the nursery put it there)
+        pass
+    elif request.get("tty"):  # a terminal of its own, as `start_new_session=True` on a pty gives
         import fcntl
         import termios
         os.setsid()
@@ -122,22 +126,66 @@ def _become(request: dict) -> str:
             os.dup2(out, fd)
             os.close(out)
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    if request.get("unbuffered", True):  # python -u, or PYTHONUNBUFFERED (the tests set it)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    else:
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+                                      line_buffering=os.isatty(1))
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
                                   errors="backslashreplace")
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     sys.argv = list(request["argv"])
+    _register(request.get("python_args", request["argv"]), request["env"])
+    if request.get("launched"):
+        _emulate_thread_count(request["env"])
     if sys.argv[0] == "-m":  # python -m module: sys.path[0] is the working directory
         sys.argv.pop(0)
-        sys.path[0] = os.getcwd()
+        sys.path[:] = _python_path(request["env"], os.getcwd())
         return "-m"
-    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # was this file's folder
+    # sys.path[0] is the script's folder (it was this file's)
+    sys.path[:] = _python_path(request["env"], os.path.dirname(os.path.abspath(sys.argv[0])))
     return os.path.abspath(sys.argv[0])
+
+
+def _start_time(pid) -> str:
+    stat = open(f"/proc/{pid}/stat").read()
+    return stat[stat.rindex(")") + 2:].split()[19]  # field 22: when it started, in clock ticks
+
+
+def _register(python_args: list, env: dict) -> None:
+    """/proc/PID/cmdline and environ of a forked command are the zygote's: write down what a
+    new Python's would say, for described()."""
+    registry = _STARTED_WITH.get("registry")
+    if registry:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(registry, f"{os.getpid()}.json"), "w") as f:
+                json.dump({"cmdline": [sys.executable, *map(str, python_args)], "env": env,
+                           "start": _start_time(os.getpid())}, f)
+
+
+def described(pid: int, registry: str | None) -> tuple[list[str], dict] | None:
+    """A process's command line and environment as `python ...` would have them: the
+    registry's record when it is a command forked from the zygote, else /proc's. None when
+    it is gone or not ours to read."""
+    try:
+        if registry:
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(registry, f"{pid}.json")) as f:
+                    record = json.load(f)
+                if record["start"] == _start_time(pid):  # not an older process with its pid
+                    return record["cmdline"], record["env"]
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:-1]
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return None
+    return ([os.fsdecode(a) for a in cmdline],
+            dict(os.fsdecode(e).split("=", 1) for e in environ if b"=" in e))
 
 
 def main() -> None:
     _set_parent_death_signal()
-    _STARTED_WITH.update(env=dict(os.environ), path=list(sys.path))
+    _STARTED_WITH.update(env=dict(os.environ), path=list(sys.path),
+                         registry=sys.argv[1] if len(sys.argv) > 1 else None)
     import torch  # noqa: F401  (the point of the zygote)
     import torch.distributed  # noqa: F401
     import torch.multiprocessing  # noqa: F401
@@ -149,8 +197,14 @@ def main() -> None:
     try:
         _serve()
     except _Child as child:
-        script = _become(child.request)
-    _stand_by_as_fork_server()
+        request = child.request
+    while True:  # a command; if it starts Pythons of its own, they come back here (_Child)
+        script = _become(request)
+        try:
+            _start_nursery()  # returns in the command; its nursery's children raise _Child
+            break
+        except _Child as child:
+            request = child.request
     import runpy
     if script == "-m":  # sys.argv[0], the module's name for now, becomes its file's path
         runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
@@ -158,101 +212,308 @@ def main() -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-# --- the fork server, forked too ---------------------------------------------------------
-# A lesson's ranks are forked from multiprocessing's fork server, a new Python that imports
-# torch._dynamo (start_ranks' preload): about 7 s of CPU per multi-rank run, most of what a
-# short lesson run costs. A child of the zygote gets one ready-made instead: before the
-# command runs (nothing but imports has run in it yet: no OpenMP thread, no CUDA, so a fork
-# is safe), it forks a standby copy of itself. When the command starts its fork server,
-# util.spawnv_passfds (which would exec a new Python with `-c "from multiprocessing.forkserver
-# import main; main(...)"`) hands the standby what that Python would have had instead: the
-# listener and "alive" descriptors, stdin/stdout/stderr, the environment, the working
-# directory, sys.path as `python -c` builds it from PYTHONPATH, SIGINT ignored or not; the
-# standby closes every other descriptor and runs the same `main(...)`. It is the command's
-# child, as the real server is, and it ends the same ways (its alive pipe, a signal, the
-# exit handlers of its preloads). Anything else, or a second server, or an environment that
-# differs where torch reads it at import, goes to the real spawnv_passfds: a new Python.
+# --- the command's own Pythons, forked too -------------------------------------------------
+# A command often starts Pythons of its own: a lesson's ranks come from multiprocessing's fork
+# server (a new `python -c` that imports torch._dynamo), tools/nodes.py starts a torchrun agent
+# per node (`python -m torch.distributed.run`), and each agent a `python -u lesson.py` per
+# worker, every one of them about 6 CPU s of imports before its first line. So before a
+# zygote child's command runs (nothing but imports has run in it yet: no OpenMP thread, no
+# CUDA, so forking it is safe), it forks a "nursery", a copy of itself that waits. When the
+# command starts one of those Pythons, util.spawnv_passfds (the fork server) or
+# subprocess.Popen (anything `python [-u] script.py ...` or `python [-u] -m module ...`) hands
+# the nursery what that Python would have had instead: its stdin, stdout, stderr and passed
+# descriptors, its environment, directory, argv, session and ignored signals. The nursery
+# forks twice; the first fork exits at once, so the second, the new command, is adopted by
+# the command (which is a "child subreaper" for that instant): it is the command's child, as
+# a real one is, and Popen.wait, poll and killpg work on it as usual. It then forks a nursery
+# of its own, and runs. Anything else (a shell, `python -c`, preexec_fn, close_fds=False,
+# another executable) or an environment that differs where torch reads it as it is imported
+# runs the real way: a new Python.
 _STARTED_WITH: dict = {}
 _FORK_SERVER_CMD = "from multiprocessing.forkserver import main; main("
+# read later than the zygote's imports (by torchrun's agent and workers, or by c10d when a
+# process group starts): a command may change these and still be forked
+RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PYTHONPATH",
+            "PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # the last one: _emulate_thread_count
+_NURSERY: dict = {}  # in a command: its nursery's socket, lock and pid
+NURSERY_FD = 1000  # the lowest number the nursery's socket may have in its command
 
 
-def _python_c_path(env: dict) -> list[str]:
-    """sys.path of `python -c ...` started with `env`: '', PYTHONPATH's entries, then the
-    standard library and site-packages (the zygote's own path after its PYTHONPATH part)."""
+def _python_path(env: dict, first: str) -> list[str]:
+    """sys.path of a new Python started with `env`: `first` (the script's folder, '' for -c),
+    PYTHONPATH's entries, then the standard library and site-packages (the zygote's own path
+    after its PYTHONPATH part)."""
     def entries(e):
         return [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = _STARTED_WITH["path"][1 + len(entries(_STARTED_WITH["env"])):]
-    return ["", *entries(env), *base]
+    return [first, *entries(env), *base]
 
 
-def _stand_by_as_fork_server() -> None:
-    import multiprocessing.util as util
+def _emulate_thread_count(env: dict) -> None:
+    """OMP_NUM_THREADS is read as OpenMP loads (with torch): a new Python started with it runs
+    torch's CPU ops on that many threads, so set the same count here."""
+    value = env.get("OMP_NUM_THREADS")
+    if value != _STARTED_WITH["env"].get("OMP_NUM_THREADS") and value and value.isdigit() and int(value) > 0:
+        import torch
+        torch.set_num_threads(int(value))
+
+
+def _subreaper(on: bool) -> bool:
+    """Make this process a child subreaper (orphans below it become its children), or stop;
+    return whether it was one."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    was = ctypes.c_int(0)
+    libc.prctl(37, ctypes.byref(was), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+    libc.prctl(36, int(on), 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    return bool(was.value)
+
+
+def _ignored_signals() -> list[int]:
+    """The signals this process ignores: a new process inherits that across exec."""
     import signal
+    out = []
+    for sig in signal.valid_signals():
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(sig) == signal.SIG_IGN and sig not in (signal.SIGPIPE, signal.SIGXFSZ):
+                out.append(int(sig))
+    return out
+
+
+def _launch(request: dict, fds: list[int]) -> int | None:
+    """In a command: ask its nursery for a new command; its pid (now our child), or None when
+    it cannot serve (then the caller starts a real Python)."""
     import socket
+    nursery = _NURSERY
+    if not nursery or os.getpid() != nursery["command"]:
+        return None  # a forked copy of the command (multiprocessing's fork): the real way
+    with nursery["lock"]:
+        sock = nursery.get("sock")
+        if sock is None:
+            return None
+        request = {**request, "command": os.getpid()}
+        was = _subreaper(True)
+        try:
+            socket.send_fds(sock, [json.dumps(request).encode()], fds)
+            ready, _, _ = select.select([sock], [], [], 60)
+            reply = sock.recv(1 << 16) if ready else b""
+        except OSError:
+            reply = b""
+        finally:
+            _subreaper(was)
+        if not reply:
+            nursery["sock"] = None
+            sock.close()
+            return None
+        return json.loads(reply)["pid"]
+
+
+def _start_nursery() -> None:
+    """Fork the nursery (which serves until the command ends, and whose children raise
+    _Child), and in the command, route its Pythons to it."""
+    import socket
+    import multiprocessing.util as util
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    standby = os.fork()
-    if standby == 0:
+    pid = os.fork()
+    if pid == 0:
         ours.close()
-        _serve_as_fork_server(theirs)
-        raise SystemExit(0)  # not reached: the server's loop ends with SystemExit
+        _nurse(theirs)  # returns only in a child it starts: that one raises _Child
     theirs.close()
-    command, real = os.getpid(), util.spawnv_passfds
+    # its socket far above the command's own descriptors, whose numbers then come out as in a
+    # new Python (the only descriptor a new Python would not have; closed on exec)
+    import fcntl
+    high = fcntl.fcntl(ours.fileno(), fcntl.F_DUPFD_CLOEXEC, NURSERY_FD)
+    ours.close()
+    ours = socket.socket(fileno=high)
+    _NURSERY.clear()
+    _NURSERY.update(sock=ours, lock=threading.Lock(), command=os.getpid(), pid=pid)
+    real_spawnv, real_execute = util.spawnv_passfds, subprocess.Popen._execute_child
 
     def spawnv_passfds(path, args, passfds):
         cmd = str(args[-1]) if len(args) >= 2 and args[-2] == "-c" else ""
         env = dict(os.environ)
-        changed = import_time_changes(env, _STARTED_WITH["env"], ("PYTHONPATH", "PYTHONUNBUFFERED"))
-        if (not cmd.startswith(_FORK_SERVER_CMD) or os.getpid() != command or ours.fileno() < 0
-                or changed):
-            return real(path, args, passfds)
-        passfds = sorted(map(int, passfds))
-        request = {"cmd": cmd, "passfds": passfds, "env": env, "cwd": os.getcwd(),
-                   "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN}
-        try:
-            socket.send_fds(ours, [json.dumps(request).encode()], [0, 1, 2, *passfds])
-        except OSError:
-            return real(path, args, passfds)
-        finally:
-            ours.close()
-        return standby
+        if cmd.startswith(_FORK_SERVER_CMD) and not import_time_changes(env, _STARTED_WITH["env"], RUN_TIME):
+            import signal
+            passfds = sorted(map(int, passfds))
+            pid = _launch({"kind": "fork_server", "cmd": cmd, "passfds": passfds, "env": env,
+                           "cwd": os.getcwd(),
+                           "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN},
+                          [0, 1, 2, *passfds])
+            if pid is not None:
+                return pid
+        return real_spawnv(path, args, passfds)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                       startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite,
+                       errread, errwrite, restore_signals, gid, gids, uid, umask,
+                       start_new_session, process_group):
+        request = _popen_request(args, executable, preexec_fn, close_fds, cwd, env, shell,
+                                 gid, gids, uid, umask, process_group)
+        if request is not None:
+            request.update(new_session=bool(start_new_session), pass_fds=sorted(map(int, pass_fds)))
+            stdio = [p2cread, c2pwrite, errwrite]
+            pid = _launch(request, [fd if fd != -1 else n for n, fd in enumerate(stdio)]
+                          + request["pass_fds"])
+            if pid is not None:
+                self.pid = pid
+                self._child_created = True
+                self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+                return
+        return real_execute(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                            startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                            c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
+                            start_new_session, process_group)
 
     util.spawnv_passfds = spawnv_passfds
+    subprocess.Popen._execute_child = _execute_child
 
 
-def _serve_as_fork_server(sock) -> None:
-    """The standby: wait for the command's request (or its end), then become its fork server."""
-    import re
-    import select
+def _popen_request(args, executable, preexec_fn, close_fds, cwd, env, shell, gid, gids, uid,
+                   umask, process_group) -> dict | None:
+    """What the nursery needs to start Popen's command, or None when it is not
+    `python [-u] script.py|-m module ...` with this Python and Popen's usual settings."""
+    if shell or isinstance(args, (str, bytes, os.PathLike)) or not close_fds:
+        return None
+    if gid is not None or gids is not None or uid is not None or umask >= 0 or process_group != -1:
+        return None
+    # tools/nodes.py's agents die with it (prctl in preexec_fn): the nursery's child does that
+    # itself once it is the command's child. Any other preexec_fn: the real way.
+    if preexec_fn is not None and getattr(preexec_fn, "__name__", "") != "set_parent_death_signal":
+        return None
+    args = [os.fspath(a) if isinstance(a, os.PathLike) else a for a in args]
+    if not all(isinstance(a, str) for a in args) or len(args) < 2:
+        return None
+    cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
+    program = executable if executable is not None else args[0]
+    if os.path.abspath(os.path.join(cwd, program)) != os.path.abspath(sys.executable):
+        return None
+    rest, unbuffered = args[1:], False
+    while rest and rest[0] == "-u":
+        rest, unbuffered = rest[1:], True
+    if not rest or not (rest[0] == "-m" and len(rest) > 1 or rest[0].endswith(".py")):
+        return None
+    env = dict(os.environ if env is None else env)
+    env = {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()}
+    if import_time_changes(env, _STARTED_WITH["env"], RUN_TIME):
+        return None
+    return {"kind": "popen", "argv": rest, "python_args": args[1:], "env": env, "cwd": os.path.abspath(cwd),
+            "unbuffered": unbuffered or bool(env.get("PYTHONUNBUFFERED")),
+            "pdeathsig": preexec_fn is not None, "ignored": _ignored_signals()}
+
+
+def _nurse(sock) -> None:
+    """The nursery's loop: for each request, fork twice (the middle one exits, so the command
+    adopts the new one), tell the command its pid; end when the command does."""
     import signal
     import socket
-    import types
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the command's to handle
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # hold none of the command's pipes open
+        os.dup2(null, fd)
+    os.close(null)
     parent = os.getppid()
-    while True:  # the command may end without a word (killed): then so do we
+    while True:
         ready, _, _ = select.select([sock], [], [], 0.5)
-        if ready or os.getppid() != parent:
-            break
-    try:
-        message, fds, _, _ = socket.recv_fds(sock, 1 << 22, 16) if ready else (b"", [], 0, None)
-    except OSError:
-        message = b""
-    os.close(sock.detach())  # closed below anyway: no socket object may close its number later
-    if not message:
-        os._exit(0)
-    request = json.loads(message)
-    for fd, received in zip((0, 1, 2), fds[:3]):
-        os.dup2(received, fd)
-    renumbered = dict(zip(request["passfds"], fds[3:]))
-    keep = {0, 1, 2, *renumbered.values()}
+        if not ready:
+            if os.getppid() != parent:
+                os._exit(0)
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, 1 << 22, 256)
+        except OSError:
+            os._exit(0)
+        if not message:  # the command is gone
+            os._exit(0)
+        request = json.loads(message)
+        report_r, report_w = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            os.close(report_r)
+            child = os.fork()
+            if child == 0:
+                os.close(report_w)
+                os.close(sock.detach())
+                _take_over(request, fds)  # raises _Child, or runs the fork server
+            os.write(report_w, str(child).encode())
+            os._exit(0)
+        os.close(report_w)
+        child = int(os.read(report_r, 64) or 0)
+        os.close(report_r)
+        os.waitpid(middle, 0)  # once reaped, its child has been adopted by the command
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps({"pid": child}).encode())
+
+
+def _take_over(request: dict, fds: list[int]) -> None:
+    """In the nursery's new child: wait to be the command's child, put the descriptors where
+    the new Python would have them, then become it (fork server, or raise _Child)."""
+    import fcntl
+    import signal
+    import time
+    deadline = time.monotonic() + 30
+    while os.getppid() != request["command"]:
+        if time.monotonic() > deadline:
+            os._exit(70)
+        time.sleep(0.001)
+    if request.get("pdeathsig"):
+        _set_parent_death_signal()
+        if os.getppid() != request["command"]:
+            os._exit(70)
+    if request["kind"] == "fork_server":
+        targets = [0, 1, 2]
+    else:
+        targets = [0, 1, 2, *request["pass_fds"]]
+    # above every target first, so that no dup2 below overwrites a descriptor still needed
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    if request["kind"] == "fork_server":
+        # the server's own descriptors keep numbers of their own: its command line names them
+        for target, fd in zip(targets, high):
+            os.dup2(fd, target)
+        renumbered = {n: os.dup(fd) for n, fd in zip(request["passfds"], high[3:])}
+        keep = {0, 1, 2, *renumbered.values()}
+    else:
+        for target, fd in zip(targets, high):
+            os.dup2(fd, target)  # inheritable, as Popen leaves 0-2 and pass_fds
+        keep = set(targets)
     for entry in os.listdir("/proc/self/fd"):
         if int(entry) not in keep:
             with contextlib.suppress(OSError):
                 os.close(int(entry))
+    if request["kind"] == "fork_server":
+        _serve_as_fork_server(request, renumbered)
+    if request.get("new_session"):
+        os.setsid()
+    for sig in signal.valid_signals():  # what exec leaves, then what Python sets as it starts
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        if sig in request["ignored"] or sig in (signal.SIGPIPE, signal.SIGXFSZ):
+            handler = signal.SIG_IGN
+        elif sig == signal.SIGINT:
+            handler = signal.default_int_handler
+        else:
+            handler = signal.SIG_DFL
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, handler)
+    raise _Child({"launched": True, "argv": request["argv"], "env": request["env"],
+                  "cwd": request["cwd"], "unbuffered": request["unbuffered"],
+                  "python_args": request["python_args"]})
+
+
+def _serve_as_fork_server(request: dict, renumbered: dict) -> None:
+    """Become the command's multiprocessing fork server, as `python -c "...main(...)"`."""
+    import re
+    import signal
+    import types
     for fd in renumbered.values():
         os.set_inheritable(fd, True)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.path[:] = _python_c_path(request["env"])
+    _emulate_thread_count(request["env"])
+    sys.path[:] = _python_path(request["env"], "")
     sys.argv = ["-c"]
     signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
     main_module = types.ModuleType("__main__")
@@ -261,6 +522,7 @@ def _serve_as_fork_server(sock) -> None:
                  lambda m: f"main({renumbered[int(m.group(1))]}, {renumbered[int(m.group(2))]},",
                  request["cmd"], count=1)
     exec(cmd, main_module.__dict__)  # the fork server's loop: ends with SystemExit
+    raise SystemExit(0)
 
 
 class Zygote:
@@ -276,13 +538,16 @@ class Zygote:
     def start(self) -> None:
         self.env = dict(os.environ)
         self.log = tempfile.NamedTemporaryFile("w+", prefix="zygote-", suffix=".log")
+        self.registry = tempfile.mkdtemp(prefix="zygote-commands-")  # see described()
+        import atexit
+        atexit.register(self._remove_files)  # an xdist worker may end without stop()
         # Started from a thread that lives as long as this process: Linux sends the
         # parent-death signal when the *thread* that started a process ends (a test's
         # worker thread would take the zygote along with it).
         started = threading.Event()
 
         def keeper():
-            self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, __file__, self.registry], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=self.log, env=self.env)
             started.set()
             threading.Event().wait()  # forever
@@ -337,6 +602,13 @@ class Zygote:
             self.proc.stdin.close()
         with contextlib.suppress(Exception):
             self.proc.wait(10)
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        import shutil
+        shutil.rmtree(self.registry, ignore_errors=True)
+        with contextlib.suppress(Exception):
+            self.log.close()  # a NamedTemporaryFile: removed as it closes
 
     def usable(self, cmd, env: dict, kwargs: dict, cwd=".") -> bool:
         """Whether `cmd` is `python script.py ...` with this Python (as a path from cwd) and
