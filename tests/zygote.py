@@ -198,6 +198,8 @@ def main() -> None:
         _serve()
     except _Child as child:
         request = child.request
+    if request.get("netns"):
+        _enter_network_namespace(request["netns"])  # returns in the command, the watcher's child
     while True:  # a command; if it starts Pythons of its own, they come back here (_Child)
         script = _become(request)
         try:
@@ -210,6 +212,59 @@ def main() -> None:
         runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
     else:  # errors and SystemExit end us as Python would
         runpy.run_path(script, run_name="__main__")
+
+
+def _enter_network_namespace(spec: dict) -> None:
+    """tests/test_loopback.py: the command in a network and mount namespace of its own, set up
+    by spec["setup"] (a shell script run as root), and every TCP listener it opens recorded:
+    this process becomes a watcher that reads /proc/net/tcp and tcp6 (this namespace's
+    sockets) every 20 ms until the command, its child, ends, then writes the listening
+    addresses it saw, as JSON, to spec["listeners_file"] and ends with the command's code."""
+    import ctypes
+    import time
+    report = spec["listeners_file"]
+    # CLONE_NEWNET | CLONE_NEWNS; then nothing mounted here reaches the machine's namespace
+    if ctypes.CDLL(None, use_errno=True).unshare(0x40000000 | 0x00020000) != 0:
+        open(report, "w").write(json.dumps({"error": f"unshare: errno {ctypes.get_errno()}"}))
+        os._exit(97)
+    for cmd in (["mount", "--make-rprivate", "/"], ["bash", "-c", spec["setup"]]):
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              env={**os.environ, **spec.get("env", {})})
+        if done.returncode != 0:  # (stdout is the zygote's channel to the tests: not a word there)
+            open(report, "w").write(json.dumps({"error": f"{cmd}: {done.stderr[-2000:]}"}))
+            os._exit(97)
+    command = os.fork()
+    if command == 0:
+        return
+    seen: set[str] = set()
+    while True:
+        seen |= _tcp_listeners()
+        done, status = os.waitpid(command, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    with open(report + ".part", "w") as f:
+        json.dump({"listened": sorted(seen)}, f)
+    os.replace(report + ".part", report)
+    code = os.waitstatus_to_exitcode(status)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def _tcp_listeners() -> set[str]:
+    """"address:port" of every listening TCP socket in this network namespace."""
+    import socket
+    out = set()
+    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with contextlib.suppress(OSError):
+            for line in open(path).read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A":  # TCP_LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # 32-bit words, each in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.add(f"{socket.inet_ntop(family, raw)}:{int(port, 16)}")
+    return out
 
 
 # --- the command's own Pythons, forked too -------------------------------------------------
@@ -648,8 +703,10 @@ class Zygote:
             raise RuntimeError(f"{' '.join(map(str, cmd))}: {self._death()}")
         return Started(self, rid, slot)
 
-    def run(self, cmd, cwd, env: dict, timeout: float | None) -> subprocess.CompletedProcess:
-        """As subprocess.run(cmd, capture_output=True, text=True, timeout=...)."""
+    def run(self, cmd, cwd, env: dict, timeout: float | None,
+            netns: dict | None = None) -> subprocess.CompletedProcess:
+        """As subprocess.run(cmd, capture_output=True, text=True, timeout=...). netns: in a
+        network namespace of its own (see _enter_network_namespace)."""
         with tempfile.TemporaryDirectory(prefix="zygote-") as folder:
             paths = [os.path.join(folder, name) for name in ("stdout", "stderr")]
             for path in paths:
@@ -657,7 +714,8 @@ class Zygote:
             rid, slot = self._new_slot()
             try:
                 self._send({"id": rid, "argv": [str(c) for c in cmd[1:]], "env": env,
-                            "cwd": str(cwd), "stdout": paths[0], "stderr": paths[1]})
+                            "cwd": str(cwd), "stdout": paths[0], "stderr": paths[1],
+                            **({"netns": netns} if netns else {})})
                 finished = slot["done"].wait(timeout)
                 if not finished:
                     slot["started"].wait(10)
