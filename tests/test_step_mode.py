@@ -145,7 +145,7 @@ def test_every_lesson_pauses_goes_on_and_quits_at_once(lesson, tmp_path):
 
 
 def test_single_process_pauses_resumes_and_quits(tmp_path):
-    t = Terminal(lesson_path("01"), "--step", "--out", tmp_path)
+    t = Terminal(lesson_path("01"), "--step", "--out", tmp_path, forked=True)
     t.expect(r"Step 1: Choose the device")
     t.expect(r"done: Step 1: Choose the device - auto means")   # what just happened
     t.expect(r"next: Step 2: Make the data")                    # what comes next
@@ -162,7 +162,7 @@ def test_single_process_pauses_resumes_and_quits(tmp_path):
 
 
 def test_multi_process_rank0_asks_others_wait_and_q_ends_every_process(tmp_path):
-    t = Terminal(lesson_path("05"), "--step", "--timeout", "5", "--out", tmp_path)
+    t = Terminal(lesson_path("05"), "--step", "--timeout", "5", "--out", tmp_path, forked=True)
     t.expect(r"next: Step 2: Join the process group")
     t.type("\n")                                          # the parent's pause after Step 1
     rows = t.expect(r"(?s)The world(.*?)\[Enter\] next step", timeout=90)
@@ -190,7 +190,7 @@ def test_torchrun_workers_pause_only_once_they_can_wait_together(tmp_path):
     the other ranks waiting at the rendezvous until they time out. The first pause comes after
     Step 2 and sums up both steps; waiting longer than the timeout is then harmless."""
     t = Terminal("tools/nodes.py", "--nnodes", "1", "--nproc-per-node", "2", "--",
-                 lesson_path("06"), "--step", "--epochs", "1", "--timeout", "5", "--out", tmp_path)
+                 lesson_path("06"), "--step", "--epochs", "1", "--timeout", "5", "--out", tmp_path, forked=True)
     first = t.expect(r"(?s)Step 1:.*?\[Enter\] next step", timeout=90).group(0)
     assert "Step 2: Join the process group" in first
     assert "done: Step 1: Read who we are" in first and "done: Step 2: Join" in first
@@ -210,7 +210,7 @@ def test_waiting_adds_no_collective_to_the_training_group(tmp_path):
     all-reduces, numbered 1, 2, 3, as a run without --step does. The run is this file as
     a script (see the bottom). Before the store carried the answer, each pause added
     broadcasts here."""
-    t = Terminal(__file__, tmp_path)
+    t = Terminal(__file__, tmp_path, forked=True)
     t.expect(r"next: Step 2: second all-reduce")
     t.expect(r"\[Enter\] next step")
     time.sleep(TIMEOUT_S + 0.5)  # longer than the group's timeout: rank 1 must still wait
