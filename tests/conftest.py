@@ -1,6 +1,7 @@
 """Shared helpers: run a lesson as a learner would (a subprocess with a timeout)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -110,23 +111,48 @@ def run(cmd: list[str], timeout: float = 120, env: dict | None = None,
     return proc
 
 
-def run_with_line_times(cmd, timeout):
-    """Popen with a watchdog: returns (returncode, [(seconds, line)], stderr), for tests
-    that bound how soon after an event a failing job ends."""
+def run_with_line_times(cmd, timeout, env: dict | None = None):
+    """Run with a watchdog: returns (returncode, [(seconds, line)], stderr), for tests that
+    bound how soon after an event a failing job ends (-9 when the watchdog killed it). A
+    `python script.py` command is forked from the test zygote (as run()), its stdout a FIFO
+    read line by line as it comes."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    watchdog = threading.Timer(timeout, proc.kill)
-    watchdog.start()
-    try:
-        lines = [(time.monotonic() - start, line) for line in proc.stdout]
-        stderr = proc.stderr.read()
-        proc.wait()
-        lines.append((time.monotonic() - start, "<exit>"))
-    finally:
-        watchdog.cancel()
-    return proc.returncode, lines, stderr
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if not _zygote().usable(cmd, full_env, {}, cwd=ROOT):
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, stdin=subprocess.DEVNULL, env=full_env)
+        watchdog = threading.Timer(timeout, proc.kill)
+        watchdog.start()
+        try:
+            lines = [(time.monotonic() - start, line) for line in proc.stdout]
+            stderr = proc.stderr.read()
+            proc.wait()
+            lines.append((time.monotonic() - start, "<exit>"))
+        finally:
+            watchdog.cancel()
+        return proc.returncode, lines, stderr
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="lines-") as folder:
+        fifo = os.path.join(folder, "stdout")
+        os.mkfifo(fifo)
+        result: dict = {}
+
+        def job():
+            try:
+                result["proc"] = _zygote().run(cmd, cwd=ROOT, env=full_env, timeout=timeout,
+                                               stdout=fifo)
+            except subprocess.TimeoutExpired as exc:
+                result["proc"] = subprocess.CompletedProcess(cmd, -9, "", exc.stderr or "")
+            finally:  # if it never opened its stdout, our open() below would wait forever
+                with contextlib.suppress(OSError):
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread = threading.Thread(target=job, daemon=True)
+        thread.start()
+        with open(fifo, errors="replace") as reader:
+            lines = [(time.monotonic() - start, line) for line in reader]
+        thread.join()
+    lines.append((time.monotonic() - start, "<exit>"))
+    return result["proc"].returncode, lines, result["proc"].stderr
 
 
 def run_lesson(number: str, *args, timeout: float = 120, check: bool = True,

@@ -703,14 +703,17 @@ class Zygote:
             raise RuntimeError(f"{' '.join(map(str, cmd))}: {self._death()}")
         return Started(self, rid, slot)
 
-    def run(self, cmd, cwd, env: dict, timeout: float | None,
-            netns: dict | None = None) -> subprocess.CompletedProcess:
+    def run(self, cmd, cwd, env: dict, timeout: float | None, netns: dict | None = None,
+            stdout: str | None = None) -> subprocess.CompletedProcess:
         """As subprocess.run(cmd, capture_output=True, text=True, timeout=...). netns: in a
-        network namespace of its own (see _enter_network_namespace)."""
+        network namespace of its own (see _enter_network_namespace). stdout: a path (a FIFO
+        the caller reads as it comes) for its stdout, which is then not captured."""
         with tempfile.TemporaryDirectory(prefix="zygote-") as folder:
             paths = [os.path.join(folder, name) for name in ("stdout", "stderr")]
             for path in paths:
                 open(path, "w").close()
+            if stdout is not None:
+                paths[0] = stdout
             rid, slot = self._new_slot()
             try:
                 self._send({"id": rid, "argv": [str(c) for c in cmd[1:]], "env": env,
@@ -721,7 +724,8 @@ class Zygote:
                     slot["started"].wait(10)
                     self._send({"id": 0, "kill": slot.get("pid")})
                     slot["done"].wait(10)
-                out, err = (open(p, errors="replace").read() for p in paths)
+                out, err = ("" if stdout is not None and p == stdout else open(p, errors="replace").read()
+                            for p in paths)
             finally:
                 with self.lock:
                     self.waiting.pop(rid, None)
