@@ -1,9 +1,10 @@
 """Lesson 06: the same script under two simulated nodes, plain torchrun, and plain python.
 
-Every worker and every torchrun agent that tools/nodes.py starts is a fresh Python (about
-5 CPU s of `import torch` each), so beyond `make lesson-06` (2 nodes x 2 workers, as the
-learner types it) the jobs are as small as their claim allows: plain torchrun with 2
-workers, the crash with one worker per node."""
+Every command here is forked from the test zygote, and so is every Python it starts: the
+agents tools/nodes.py starts and the workers each agent starts (tests/zygote.py), instead of
+a new Python importing torch for each (about 6 CPU s apiece). Beyond make lesson-06's own
+command (2 nodes x 2 workers, the Makefile's RUN_06) the jobs are as small as their claim
+allows: plain torchrun with 2 workers, the crash with one worker per node."""
 import sys
 import time
 from pathlib import Path

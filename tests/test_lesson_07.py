@@ -1,10 +1,11 @@
 """Lesson 07: restarts after a failure, atomic snapshots, exact mid-epoch resume.
 
-Each worker of each attempt, and each torchrun agent that tools/nodes.py starts, is a fresh
-Python (about 5 CPU s of `import torch` each); commands that are `python ...` are forked
-from the test's zygote instead (conftest.run). So the uninterrupted reference runs under
-plain torchrun (its agent forked), and the job killed from outside runs tools/nodes.py
-through conftest.run too (in a thread), not as a new Python of its own."""
+Every command here is forked from the test zygote (conftest.run), and so is every Python it
+starts: tools/nodes.py's agent and each attempt's workers (tests/zygote.py), instead of a
+new Python importing torch for each (about 6 CPU s apiece). make lesson-07 runs the
+Makefile's own command (RUN_07); the job killed from outside runs tools/nodes.py through
+conftest.run in a thread, and finds its victim with conftest.described (a forked worker's
+/proc/PID/cmdline is the zygote's)."""
 import json
 import os
 import re
