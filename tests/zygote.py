@@ -137,7 +137,7 @@ def _become(request: dict) -> str:
     sys.argv = list(request["argv"])
     _register(request.get("python_args", request["argv"]), request["env"])
     if request.get("launched"):
-        _emulate_thread_count(request["env"])
+        _emulate_import_time(request["env"])
     if sys.argv[0] == "-m":  # python -m module: sys.path[0] is the working directory
         sys.argv.pop(0)
         sys.path[:] = _python_path(request["env"], os.getcwd())
@@ -286,10 +286,12 @@ def _tcp_listeners() -> set[str]:
 # runs the real way: a new Python.
 _STARTED_WITH: dict = {}
 _FORK_SERVER_CMD = "from multiprocessing.forkserver import main; main("
+_SPAWN_CMD = "from multiprocessing.spawn import spawn_main; spawn_main("  # start method "spawn"
 # read later than the zygote's imports (by torchrun's agent and workers, or by c10d when a
 # process group starts): a command may change these and still be forked
-RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PYTHONPATH",
-            "PYTHONUNBUFFERED", "OMP_NUM_THREADS")  # the last one: _emulate_thread_count
+RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+            "PYTHONPATH", "PYTHONUNBUFFERED",
+            "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG")  # these two: _emulate_import_time
 _NURSERY: dict = {}  # in a command: its nursery's socket, lock and pid
 NURSERY_FD = 1000  # the lowest number the nursery's socket may have in its command
 
@@ -304,13 +306,19 @@ def _python_path(env: dict, first: str) -> list[str]:
     return [first, *entries(env), *base]
 
 
-def _emulate_thread_count(env: dict) -> None:
-    """OMP_NUM_THREADS is read as OpenMP loads (with torch): a new Python started with it runs
-    torch's CPU ops on that many threads, so set the same count here."""
+def _emulate_import_time(env: dict) -> None:
+    """Do what two variables read while torch is imported would have done in a new Python:
+    OMP_NUM_THREADS (read as OpenMP loads) sets how many threads torch's CPU ops use, and
+    TORCH_DISTRIBUTED_DEBUG (read by `import torch.distributed`) c10d's debug level."""
+    def changed(name):
+        return env.get(name) != _STARTED_WITH["env"].get(name)
     value = env.get("OMP_NUM_THREADS")
-    if value != _STARTED_WITH["env"].get("OMP_NUM_THREADS") and value and value.isdigit() and int(value) > 0:
+    if changed("OMP_NUM_THREADS") and value and value.isdigit() and int(value) > 0:
         import torch
         torch.set_num_threads(int(value))
+    if changed("TORCH_DISTRIBUTED_DEBUG"):
+        import torch.distributed
+        torch.distributed.set_debug_level_from_env()
 
 
 def _subreaper(on: bool) -> bool:
@@ -385,15 +393,10 @@ def _start_nursery() -> None:
     real_spawnv, real_execute = util.spawnv_passfds, subprocess.Popen._execute_child
 
     def spawnv_passfds(path, args, passfds):
-        cmd = str(args[-1]) if len(args) >= 2 and args[-2] == "-c" else ""
-        env = dict(os.environ)
-        if cmd.startswith(_FORK_SERVER_CMD) and not import_time_changes(env, _STARTED_WITH["env"], RUN_TIME):
-            import signal
-            passfds = sorted(map(int, passfds))
-            pid = _launch({"kind": "fork_server", "cmd": cmd, "passfds": passfds, "env": env,
-                           "cwd": os.getcwd(),
-                           "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN},
-                          [0, 1, 2, *passfds])
+        request = _python_c_request(os.fsdecode(path), [os.fsdecode(a) for a in args],
+                                    sorted(map(int, passfds)))
+        if request is not None:
+            pid = _launch(request, [0, 1, 2, *request["passfds"]])
             if pid is not None:
                 return pid
         return real_spawnv(path, args, passfds)
@@ -423,6 +426,35 @@ def _start_nursery() -> None:
     subprocess.Popen._execute_child = _execute_child
 
 
+def _python_c_request(path, args: list, passfds: list) -> dict | None:
+    """What the nursery needs to start multiprocessing's fork server or a "spawn" child (each
+    a `python -c ...` with descriptors of its own), or None for anything else."""
+    if "-c" not in args or os.path.abspath(path) != os.path.abspath(sys.executable):
+        return None
+    at = args.index("-c")
+    options, cmd, rest = args[1:at], "".join(args[at + 1:at + 2]), args[at + 2:]
+    if cmd.startswith(_FORK_SERVER_CMD) and not rest:
+        kind = "fork_server"
+    elif cmd.startswith(_SPAWN_CMD) and rest == ["--multiprocessing-fork"]:
+        kind = "spawn"
+    else:
+        return None
+    env = dict(os.environ)
+    changes = import_time_changes(env, _STARTED_WITH["env"], RUN_TIME)
+    if set(options) - {"-B"} or changes:  # -B: write no .pyc (nothing else does here)
+        _log(f"a new Python for {kind}: options {options}, changed {sorted(changes)}")
+        return None
+    return {"kind": kind, "cmd": cmd, "rest": rest, "passfds": passfds, "env": env,
+            "cwd": os.getcwd(), "ignored": _ignored_signals()}
+
+
+def _log(message: str) -> None:
+    """ZYGOTE_LOG=FILE: say there which commands still start a new Python, and why."""
+    if os.environ.get("ZYGOTE_LOG"):
+        with contextlib.suppress(OSError), open(os.environ["ZYGOTE_LOG"], "a") as f:
+            f.write(f"{os.getpid()} {' '.join(sys.argv[:2])}: {message}\n")
+
+
 def _popen_request(args, executable, preexec_fn, close_fds, cwd, env, shell, gid, gids, uid,
                    umask, process_group) -> dict | None:
     """What the nursery needs to start Popen's command, or None when it is not
@@ -449,7 +481,9 @@ def _popen_request(args, executable, preexec_fn, close_fds, cwd, env, shell, gid
         return None
     env = dict(os.environ if env is None else env)
     env = {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()}
-    if import_time_changes(env, _STARTED_WITH["env"], RUN_TIME):
+    changes = import_time_changes(env, _STARTED_WITH["env"], RUN_TIME)
+    if changes:
+        _log(f"a new Python for {rest[:2]}: changed {sorted(changes)}")
         return None
     return {"kind": "popen", "argv": rest, "python_args": args[1:], "env": env, "cwd": os.path.abspath(cwd),
             "unbuffered": unbuffered or bool(env.get("PYTHONUNBUFFERED")),
@@ -515,16 +549,14 @@ def _take_over(request: dict, fds: list[int]) -> None:
         _set_parent_death_signal()
         if os.getppid() != request["command"]:
             os._exit(70)
-    if request["kind"] == "fork_server":
-        targets = [0, 1, 2]
-    else:
-        targets = [0, 1, 2, *request["pass_fds"]]
+    python_c = request["kind"] in ("fork_server", "spawn")
+    targets = [0, 1, 2] if python_c else [0, 1, 2, *request["pass_fds"]]
     # above every target first, so that no dup2 below overwrites a descriptor still needed
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in fds]
     for fd in fds:
         os.close(fd)
-    if request["kind"] == "fork_server":
-        # the server's own descriptors keep numbers of their own: its command line names them
+    if python_c:
+        # its own descriptors keep numbers of their own: its command line names them
         for target, fd in zip(targets, high):
             os.dup2(fd, target)
         renumbered = {n: os.dup(fd) for n, fd in zip(request["passfds"], high[3:])}
@@ -537,8 +569,6 @@ def _take_over(request: dict, fds: list[int]) -> None:
         if int(entry) not in keep:
             with contextlib.suppress(OSError):
                 os.close(int(entry))
-    if request["kind"] == "fork_server":
-        _serve_as_fork_server(request, renumbered)
     if request.get("new_session"):
         os.setsid()
     for sig in signal.valid_signals():  # what exec leaves, then what Python sets as it starts
@@ -552,31 +582,36 @@ def _take_over(request: dict, fds: list[int]) -> None:
             handler = signal.SIG_DFL
         with contextlib.suppress(OSError, ValueError):
             signal.signal(sig, handler)
+    if python_c:
+        _run_python_c(request, renumbered)
     raise _Child({"launched": True, "argv": request["argv"], "env": request["env"],
                   "cwd": request["cwd"], "unbuffered": request["unbuffered"],
                   "python_args": request["python_args"]})
 
 
-def _serve_as_fork_server(request: dict, renumbered: dict) -> None:
-    """Become the command's multiprocessing fork server, as `python -c "...main(...)"`."""
+def _run_python_c(request: dict, renumbered: dict) -> None:
+    """Become the command's multiprocessing fork server or "spawn" child: `python -c CMD ...`,
+    CMD naming the descriptors it was given by their new numbers. Ends with SystemExit."""
     import re
-    import signal
     import types
     for fd in renumbered.values():
         os.set_inheritable(fd, True)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    _emulate_thread_count(request["env"])
+    _emulate_import_time(request["env"])
     sys.path[:] = _python_path(request["env"], "")
-    sys.argv = ["-c"]
-    signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"] else signal.default_int_handler)
+    sys.argv = ["-c", *request["rest"]]
     main_module = types.ModuleType("__main__")
     sys.modules["__main__"] = main_module
-    cmd = re.sub(r"main\((\d+), (\d+),",
-                 lambda m: f"main({renumbered[int(m.group(1))]}, {renumbered[int(m.group(2))]},",
-                 request["cmd"], count=1)
-    exec(cmd, main_module.__dict__)  # the fork server's loop: ends with SystemExit
+    if request["kind"] == "fork_server":  # main(listener_fd, alive_r, ...)
+        cmd = re.sub(r"main\((\d+), (\d+),",
+                     lambda m: f"main({renumbered[int(m[1])]}, {renumbered[int(m[2])]},",
+                     request["cmd"], count=1)
+    else:  # spawn_main(tracker_fd=N, pipe_handle=M)
+        cmd = re.sub(r"(tracker_fd|pipe_handle)=(\d+)",
+                     lambda m: f"{m[1]}={renumbered[int(m[2])]}", request["cmd"])
+    exec(cmd, main_module.__dict__)  # the server's loop, or the child's work: ends with SystemExit
     raise SystemExit(0)
 
 
