@@ -184,14 +184,21 @@ def described(pid: int, registry: str | None) -> tuple[list[str], dict] | None:
 
 def main() -> None:
     _set_parent_death_signal()
+    import warnings
     _STARTED_WITH.update(env=dict(os.environ), path=list(sys.path),
-                         registry=sys.argv[1] if len(sys.argv) > 1 else None)
+                         registry=sys.argv[1] if len(sys.argv) > 1 else None,
+                         filters=list(warnings.filters))  # as Python starts: see _emulate_warnings
     import torch  # noqa: F401  (the point of the zygote)
     import torch.distributed  # noqa: F401
     import torch.multiprocessing  # noqa: F401
     import torch._dynamo  # noqa: F401  (what start_ranks preloads in its fork server)
     import rich.console  # noqa: F401
     import gc
+    # PYTHONWARNINGS can be emulated (_emulate_warnings) when the imports only put filters in
+    # front of Python's own, and the zygote itself started without it
+    if (warnings.filters[len(warnings.filters) - len(_STARTED_WITH["filters"]):] == _STARTED_WITH["filters"]
+            and not os.environ.get("PYTHONWARNINGS") and not sys.warnoptions):
+        RUN_TIME.append("PYTHONWARNINGS")
     gc.freeze()  # what is here now stays out of every child's collections (copy-on-write)
     os.write(1, b'{"ready": true}\n')
     try:
@@ -289,9 +296,9 @@ _FORK_SERVER_CMD = "from multiprocessing.forkserver import main; main("
 _SPAWN_CMD = "from multiprocessing.spawn import spawn_main; spawn_main("  # start method "spawn"
 # read later than the zygote's imports (by torchrun's agent and workers, or by c10d when a
 # process group starts): a command may change these and still be forked
-RUN_TIME = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+RUN_TIME = ["TORCHELASTIC_", "TORCH_NCCL_", "TORCH_FR_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
             "PYTHONPATH", "PYTHONUNBUFFERED",
-            "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG")  # these two: _emulate_import_time
+            "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG"]  # these two: _emulate_import_time
 _NURSERY: dict = {}  # in a command: its nursery's socket, lock and pid
 NURSERY_FD = 1000  # the lowest number the nursery's socket may have in its command
 
@@ -319,16 +326,35 @@ def _emulate_import_time(env: dict) -> None:
     if changed("TORCH_DISTRIBUTED_DEBUG"):
         import torch.distributed
         torch.distributed.set_debug_level_from_env()
+    if changed("PYTHONWARNINGS"):
+        _emulate_warnings(env.get("PYTHONWARNINGS", ""))
 
 
-def _subreaper(on: bool) -> bool:
+def _emulate_warnings(value: str) -> None:
+    """A new Python started with PYTHONWARNINGS puts its filters in front of its own defaults
+    as it starts, before the filters that importing torch adds in front of those: the same
+    order here (the zygote checked at start that its imports only added filters in front)."""
+    import warnings
+    options = [o for o in value.split(",") if o]
+    own = _STARTED_WITH["filters"]
+    added = warnings.filters[:len(warnings.filters) - len(own)]
+    warnings.filters[:] = list(own)
+    sys.warnoptions[:] = options
+    warnings._processoptions(options)
+    warnings.filters[:0] = added
+    warnings._filters_mutated()
+
+
+def _subreaper(on: bool) -> bool | None:
     """Make this process a child subreaper (orphans below it become its children), or stop;
-    return whether it was one."""
+    return whether it was one, or None when the kernel refused."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     was = ctypes.c_int(0)
-    libc.prctl(37, ctypes.byref(was), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
-    libc.prctl(36, int(on), 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    if libc.prctl(37, ctypes.byref(was), 0, 0, 0) != 0:  # PR_GET_CHILD_SUBREAPER
+        return None
+    if libc.prctl(36, int(on), 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        return None
     return bool(was.value)
 
 
@@ -356,6 +382,8 @@ def _launch(request: dict, fds: list[int]) -> int | None:
             return None
         request = {**request, "command": os.getpid()}
         was = _subreaper(True)
+        if was is None:  # then the new process would not be ours: start a real one
+            return None
         try:
             socket.send_fds(sock, [json.dumps(request).encode()], fds)
             ready, _, _ = select.select([sock], [], [], 60)
