@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, one_error_line, run
+from conftest import ROOT, _zygote, described, one_error_line, run
 
 SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
 
@@ -44,13 +44,21 @@ def _sigint_as_in_a_terminal() -> None:
 
 
 class Job:
-    """A lesson started as a learner would, in its own session, output in files."""
+    """A lesson started as a learner would, in its own session, output in files. Forked from
+    the test zygote (tests/zygote.py), as are the ranks, agents and workers it starts, unless
+    forked=False: a new Python, for what happens while one imports torch."""
 
-    def __init__(self, cmd, folder: Path, name: str, env: dict | None = None):
+    def __init__(self, cmd, folder: Path, name: str, env: dict | None = None, forked=True):
         self.out, self.err = folder / f"{name}.stdout", folder / f"{name}.stderr"
-        self.proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=open(self.out, "w"),
+        cmd, env = [str(c) for c in cmd], {**ENV, **(env or {})}
+        if forked and _zygote().usable(cmd, env, {}, cwd=ROOT):
+            self.out.write_text("")
+            self.err.write_text("")
+            self.proc = _zygote().start_command(cmd, ROOT, env, self.out, self.err)
+            return
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.out, "w"),
                                      stderr=open(self.err, "w"), stdin=subprocess.DEVNULL,
-                                     env={**ENV, **(env or {})}, start_new_session=True,
+                                     env=env, start_new_session=True,
                                      preexec_fn=_sigint_as_in_a_terminal)
 
     def stdout(self) -> str:
@@ -78,13 +86,24 @@ class TerminalJob(Job):
         import pty
         master, slave = pty.openpty()
         self.raw = b""
-        self.proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdin=subprocess.DEVNULL,
-                                     stdout=slave, stderr=slave, env={**ENV, "TERM": "xterm-256color"},
-                                     start_new_session=True)
-        os.close(slave)
+        cmd, env = [str(c) for c in cmd], {**ENV, "TERM": "xterm-256color"}
+        if _zygote().usable(cmd, env, {}, cwd=ROOT):  # forked, as Job
+            # It opens the terminal by its name: we keep our end of it open until the job has
+            # ended (with no end open, reading the master fails at once).
+            self.proc = _zygote().start_command(cmd, ROOT, env, os.ttyname(slave), os.ttyname(slave))
+        else:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=slave,
+                                         stderr=slave, env=env, start_new_session=True)
+            os.close(slave)
+            slave = None
 
         def drain():  # read everything, or the job would block on a full terminal
+            import select
             while True:
+                if slave is not None and not select.select([master], [], [], 0.2)[0]:
+                    if self.proc.poll() is not None:
+                        break  # it has ended, and said all it had to say
+                    continue
                 try:
                     chunk = os.read(master, 65536)
                 except OSError:
@@ -93,6 +112,8 @@ class TerminalJob(Job):
                     break
                 self.raw += chunk
             os.close(master)
+            if slave is not None:
+                os.close(slave)
         self.reader = threading.Thread(target=drain, daemon=True)
         self.reader.start()
 
@@ -107,10 +128,9 @@ def all_pids() -> list[int]:
 
 
 def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+    """Its command line, as a new Python's would be also when it was forked from the zygote."""
+    seen = described(pid)
+    return " ".join(seen[0]) if seen else ""
 
 
 def alive(pid: int) -> bool:
@@ -259,7 +279,8 @@ def test_a_signal_while_the_ranks_start_is_one_line_and_leaves_nothing(tmp_path,
     the fork server is still importing torch and the lesson: one line, the usual exit code,
     no traceback from the server or a rank forked afterwards, and no process left (the fork
     server used to outlive the job by 4-11 s, and Ctrl-C printed its KeyboardInterrupt)."""
-    job = Job([PY, "lessons/15_zero_fsdp.py", "--out", tmp_path / "o"], tmp_path, "a")
+    job = Job([PY, "lessons/15_zero_fsdp.py", "--out", tmp_path / "o"], tmp_path, "a",
+              forked=False)  # a new Python: its fork server imports torch for a while
     cleanup.append(job)
     deadline = time.monotonic() + 60
     while not any("forkserver" in cmdline(pid) for pid in session_pids(job.proc.pid)):

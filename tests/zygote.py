@@ -118,13 +118,18 @@ def _become(request: dict) -> str:
             os.dup2(tty, fd)
         os.close(tty)
     else:
+        if request.get("new_session"):  # as Popen(start_new_session=True)
+            os.setsid()
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            out = os.open(path, os.O_WRONLY | os.O_TRUNC)
+            out = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_NOCTTY)  # (a pty: not ours)
             os.dup2(out, fd)
             os.close(out)
+    if request.get("sigint_default"):  # Ctrl-C raises KeyboardInterrupt, as in a terminal
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     if request.get("unbuffered", True):  # python -u, or PYTHONUNBUFFERED (the tests set it)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
@@ -136,8 +141,7 @@ def _become(request: dict) -> str:
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     sys.argv = list(request["argv"])
     _register(request.get("python_args", request["argv"]), request["env"])
-    if request.get("launched"):
-        _emulate_import_time(request["env"])
+    _emulate_import_time(request["env"])
     if sys.argv[0] == "-m":  # python -m module: sys.path[0] is the working directory
         sys.argv.pop(0)
         sys.path[:] = _python_path(request["env"], os.getcwd())
@@ -736,7 +740,7 @@ class Zygote:
             return False
         if os.path.abspath(os.path.join(cwd, str(cmd[0]))) != os.path.abspath(sys.executable):
             return False
-        changes = self._import_time_changes(env)
+        changes = import_time_changes(env, self.env, tuple(RUN_TIME))  # the rest: emulated
         if changes and os.environ.get("ZYGOTE_LOG"):  # which commands need a new Python, and why
             with open(os.environ["ZYGOTE_LOG"], "a") as log:
                 log.write(f"{os.getpid()} {' '.join(map(str, cmd[1:3]))}: {sorted(changes)}\n")
@@ -762,6 +766,18 @@ class Zygote:
         rid, slot = self._new_slot(in_terminal=True)
         self._send({"id": rid, "argv": [str(c) for c in cmd[1:]], "env": env, "cwd": str(cwd),
                     "tty": tty})
+        if not slot["started"].wait(60) or slot.get("pid") is None:
+            raise RuntimeError(f"{' '.join(map(str, cmd))}: {self._death()}")
+        return Started(self, rid, slot)
+
+    def start_command(self, cmd, cwd, env: dict, stdout: str, stderr: str) -> "Started":
+        """As subprocess.Popen(cmd, stdout=open(stdout, "w"), stderr=open(stderr, "w"),
+        stdin=DEVNULL, start_new_session=True), with SIGINT raising KeyboardInterrupt as in a
+        terminal, however the tests were started; return at once."""
+        rid, slot = self._new_slot(in_terminal=True)
+        self._send({"id": rid, "argv": [str(c) for c in cmd[1:]], "env": env, "cwd": str(cwd),
+                    "stdout": str(stdout), "stderr": str(stderr), "new_session": True,
+                    "sigint_default": True})
         if not slot["started"].wait(60) or slot.get("pid") is None:
             raise RuntimeError(f"{' '.join(map(str, cmd))}: {self._death()}")
         return Started(self, rid, slot)
@@ -808,6 +824,10 @@ class Started:
 
     def poll(self) -> int | None:
         return self.slot.get("code") if self.slot["done"].is_set() else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
 
     def wait(self, timeout: float | None = None) -> int:
         if not self.slot["done"].wait(timeout):
