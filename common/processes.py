@@ -105,6 +105,26 @@ def stop_signals():
             signal.signal(sig, handler)
 
 
+def error_file_whole(fn):
+    """Under torchrun, put it below @record: once `fn` raises, SIGTERM is ignored while
+    @record writes the worker's error file, and as the worker exits. When one worker fails,
+    the agent SIGTERMs the others, and reads each failed worker's error.json; a worker cut off
+    between opening that file and writing it left it empty, and the agent then died on it
+    (json.JSONDecodeError in ProcessFailure, torch 2.14.1) instead of restarting the group.
+    A worker that hangs on its way out still ends: the agent follows with SIGKILL."""
+    import functools
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            with contextlib.suppress(ValueError):  # (not the main thread: leave it)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            raise
+    return guarded
+
+
 def signal_name(exc: KeyboardInterrupt) -> tuple[str, int]:
     """('Ctrl-C', 130) or ('SIGTERM', 143) ...: what stopped us, and the exit code for it."""
     if isinstance(exc, Stopped):

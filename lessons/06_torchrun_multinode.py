@@ -37,6 +37,7 @@ from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import die_with_parent, env_store, free_port, say_each
+from common.processes import error_file_whole
 from apparatus.results import (claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown,
                             timed_single_process)
 from apparatus.ui import UI, Timer
@@ -62,7 +63,9 @@ def parse_args():
 
 
 # @record: torchrun's failure summary shows our error and traceback, not only "exit code 1"
+# (error_file_whole, common/processes.py: no SIGTERM from the agent cuts that file short)
 @record
+@error_file_whole
 def main() -> None:
     args = parse_args()
     # Step 1: Read who we are from the environment

@@ -41,6 +41,7 @@ from common import recipe
 from common.cli import fail, lesson_parser, nonnegative_int, positive_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import die_with_parent, env_store, free_port, say_each
+from common.processes import error_file_whole
 from elastic import (SNAPSHOT_FORMAT, Ledger, fail_plan, kill_myself, nonnegative_float,
                                read_snapshot, resumed)
 from apparatus.results import (atomic_write, claim_out, make_metrics, max_abs_diff, out_dir,
@@ -70,7 +71,9 @@ def parse_args():
 
 
 # @record: torchrun's failure summary shows our error and traceback, not only "exit code 1"
+# (error_file_whole, common/processes.py: no SIGTERM from the agent cuts that file short)
 @record
+@error_file_whole
 def main() -> None:
     args = parse_args()
     # Step 1: Read who we are from the environment

@@ -236,3 +236,23 @@ def test_bad_flags_are_one_clear_line(monkeypatch, capsys):
     # the step is checked against the data after start-up: end to end
     line = one_error_line(run_lesson("07", "--fail-at-step", "97", check=False, timeout=60))
     assert line.startswith("error:") and "beyond the last step" in line, line
+
+
+def test_a_failing_worker_ignores_sigterm_while_its_error_file_is_written():
+    """error_file_whole (under @record in lessons 06 and 07): once main raises, SIGTERM is
+    ignored, so the agent's SIGTERM to the other workers cannot leave an empty error.json
+    (which made the agent itself fail on it, seen once in this file's killed-worker test)."""
+    from common.processes import error_file_whole
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        assert error_file_whole(lambda: 3)() == 3
+        assert signal.getsignal(signal.SIGTERM) == before  # nothing changes while it works
+
+        @error_file_whole
+        def fails():
+            raise ValueError("a peer died")
+        with pytest.raises(ValueError, match="a peer died"):
+            fails()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)

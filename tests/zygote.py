@@ -14,9 +14,16 @@ behaves as `python script.py args` would:
   multiprocessing (which reads __main__'s file to start its ranks) work as usual;
 * interpreter exit as usual: atexit handlers run, an uncaught error prints its traceback.
 
+The Pythons a command starts itself (multiprocessing's fork server and "spawn" children,
+`python script.py` through subprocess.Popen: tools/nodes.py's agents, torchrun's workers)
+are forked too, from a copy the command made of itself before it ran (its "nursery", below).
+
 What can differ from a fresh Python is what happens while torch is imported: an
 environment that changes a variable torch reads then (TORCH_*, OMP_*, CUDA_* ...) runs in a
-real new Python instead (`usable`). tests/test_zygote.py checks the promises above.
+real new Python instead (`usable`), except the few that are read later or emulated here
+(RUN_TIME). And /proc/PID/cmdline and environ of a forked command are the zygote's:
+described() gives what a new Python's would say. tests/test_zygote.py checks the promises
+above.
 """
 from __future__ import annotations
 
