@@ -38,7 +38,7 @@ help:
 		"make check-NN [FILE=path]" "check an answer to lesson NN's exercise (make checks lists them)" \
 		"make diff TO=NN [FROM=NN]" "what lesson NN adds to its parent (or to lesson FROM)" \
 		"make read" "the lessons as a website, each step's doc beside its code (runs/read/)" \
-		"make test" "run the test suite (pytest, CPU only, about 17 minutes on 2 cores)" \
+		"make test" "run the test suite (pytest, CPU only, about 10 minutes on 2 cores)" \
 		"make bench" "measured speedups and costs (2-3 minutes on 2 cores; writes runs/bench/)" \
 		"make bench-docs" "maintainers: make bench, then rewrite docs/PERFORMANCE.md (en, zh) and its plots" \
 		"make gpu-check" "on a GPU machine: every lesson's GPU path against the CPU, one table (runs/gpu-check/)" \
@@ -84,7 +84,7 @@ lessons: $(STAMP)
 	@set -e; for n in $(LESSON_NUMS); do $(MAKE) --no-print-directory lesson-$$n; done
 
 # pytest-xdist workers: one per core, 4 at most (measured on 2 cores: the suite keeps both
-# cores 96-99% busy with 2 workers, so a third has nothing to fill). Each test file runs on
+# cores 94-99% busy with 2 workers, so a third has little to fill). Each test file runs on
 # one worker, so its fixtures run once, unless it says SPREAD_OVER_WORKERS = True
 # (tests/conftest.py).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
