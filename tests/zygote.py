@@ -407,7 +407,7 @@ def _launch(request: dict, fds: list[int]) -> int | None:
             nursery["sock"] = None
             sock.close()
             return None
-        return json.loads(reply)["pid"]
+        return json.loads(reply)["pid"] or None  # 0: its fork failed (then a real one)
 
 
 def _start_nursery() -> None:
