@@ -44,7 +44,7 @@ def test_make_lesson_06_runs_two_nodes_and_matches_one_device(tmp_path, referenc
 
 
 def test_plain_torchrun_standalone_and_plain_python(tmp_path):
-    # the agent is forked from the test's zygote (python -m ...); its 2 workers are new Pythons
+    # the agent is forked from the test's zygote (python -m ...), and its 2 workers from it
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          LESSON, "--epochs", "1", "--out", tmp_path / "tr"], timeout=180,
         env=own_tmpdir(tmp_path))  # its torchelastic_... folder lands there, not in /tmp

@@ -105,14 +105,7 @@ def _become(request: dict) -> str:
     import io
     if not request.get("launched"):  # a nursery's child keeps the parent its command gave it
         _set_parent_death_signal()  # the zygote (so the tests) gone: so are we
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    # Python reads $TMPDIR once and keeps it (tempfile.tempdir; torch._dynamo's import asks):
-    # the command's $TMPDIR, not the zygote's
-    tempfile.tempdir = None
-    import multiprocessing.process
-    multiprocessing.process.current_process()._config.pop("tempdir", None)
+    _take_environment(request["cwd"], request["env"])
     if request.get("launched"):  # stdio is in place already (the nursery put it there)
         pass
     elif request.get("tty"):  # a terminal of its own, as `start_new_session=True` on a pty gives
@@ -148,7 +141,6 @@ def _become(request: dict) -> str:
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     sys.argv = list(request["argv"])
     _register(request.get("python_args", request["argv"]), request["env"])
-    _emulate_import_time(request["env"])
     if sys.argv[0] == "-m":  # python -m module: sys.path[0] is the working directory
         sys.argv.pop(0)
         sys.path[:] = _python_path(request["env"], os.getcwd())
@@ -156,6 +148,20 @@ def _become(request: dict) -> str:
     # sys.path[0] is the script's folder (it was this file's)
     sys.path[:] = _python_path(request["env"], os.path.dirname(os.path.abspath(sys.argv[0])))
     return os.path.abspath(sys.argv[0])
+
+
+def _take_environment(cwd: str, env: dict) -> None:
+    """A new Python's working directory and environment, and what it would have made of the
+    environment as it started."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    # Python reads $TMPDIR once and keeps it (tempfile.tempdir; torch._dynamo's import asks):
+    # the command's $TMPDIR, not the zygote's
+    tempfile.tempdir = None
+    import multiprocessing.process
+    multiprocessing.process.current_process()._config.pop("tempdir", None)
+    _emulate_import_time(env)
 
 
 def _start_time(pid) -> str:
@@ -594,15 +600,12 @@ def _take_over(request: dict, fds: list[int]) -> None:
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in fds]
     for fd in fds:
         os.close(fd)
-    if python_c:
-        # its own descriptors keep numbers of their own: its command line names them
-        for target, fd in zip(targets, high):
-            os.dup2(fd, target)
+    for target, fd in zip(targets, high):
+        os.dup2(fd, target)  # inheritable, as exec leaves 0-2 and Popen's pass_fds
+    if python_c:  # its own descriptors keep numbers of their own: its command line names them
         renumbered = {n: os.dup(fd) for n, fd in zip(request["passfds"], high[3:])}
         keep = {0, 1, 2, *renumbered.values()}
     else:
-        for target, fd in zip(targets, high):
-            os.dup2(fd, target)  # inheritable, as Popen leaves 0-2 and pass_fds
         keep = set(targets)
     for entry in os.listdir("/proc/self/fd"):
         if int(entry) not in keep:
@@ -635,10 +638,7 @@ def _run_python_c(request: dict, renumbered: dict) -> None:
     import types
     for fd in renumbered.values():
         os.set_inheritable(fd, True)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    _emulate_import_time(request["env"])
+    _take_environment(request["cwd"], request["env"])
     sys.path[:] = _python_path(request["env"], "")
     sys.argv = ["-c", *request["rest"]]
     main_module = types.ModuleType("__main__")
@@ -696,7 +696,7 @@ class Zygote:
                 slot.update(message)
                 if "code" in message:
                     slot["done"].set()
-                    if slot.get("in_terminal"):  # nobody else waits for it: not busy any more
+                    if slot.get("detached"):  # nobody else waits for it: not busy any more
                         with self.lock:
                             self.waiting.pop(message["id"], None)
                 else:
@@ -748,9 +748,8 @@ class Zygote:
         if os.path.abspath(os.path.join(cwd, str(cmd[0]))) != os.path.abspath(sys.executable):
             return False
         changes = import_time_changes(env, self.env, tuple(RUN_TIME))  # the rest: emulated
-        if changes and os.environ.get("ZYGOTE_LOG"):  # which commands need a new Python, and why
-            with open(os.environ["ZYGOTE_LOG"], "a") as log:
-                log.write(f"{os.getpid()} {' '.join(map(str, cmd[1:3]))}: {sorted(changes)}\n")
+        if changes:
+            _log(f"a new Python for {' '.join(map(str, cmd[1:3]))}: changed {sorted(changes)}")
         return not changes
 
     def _send(self, message: dict) -> None:
@@ -770,21 +769,21 @@ class Zygote:
         """Start `python script.py ...` with the terminal `tty` (a pty's slave) as its stdin,
         stdout, stderr and controlling terminal, in a session of its own (as subprocess.Popen
         with start_new_session=True on that pty); return at once, with its pid."""
-        rid, slot = self._new_slot(in_terminal=True)
-        self._send({"id": rid, "argv": [str(c) for c in cmd[1:]], "env": env, "cwd": str(cwd),
-                    "tty": tty})
-        if not slot["started"].wait(60) or slot.get("pid") is None:
-            raise RuntimeError(f"{' '.join(map(str, cmd))}: {self._death()}")
-        return Started(self, rid, slot)
+        return self._start(cmd, cwd, env, tty=tty)
 
     def start_command(self, cmd, cwd, env: dict, stdout: str, stderr: str) -> "Started":
         """As subprocess.Popen(cmd, stdout=open(stdout, "w"), stderr=open(stderr, "w"),
         stdin=DEVNULL, start_new_session=True), with SIGINT raising KeyboardInterrupt as in a
         terminal, however the tests were started; return at once."""
-        rid, slot = self._new_slot(in_terminal=True)
+        return self._start(cmd, cwd, env, stdout=str(stdout), stderr=str(stderr),
+                           new_session=True, sigint_default=True)
+
+    def _start(self, cmd, cwd, env: dict, **request) -> "Started":
+        """Send the request for `cmd` and return once it has a pid; nobody waits on its end
+        (the reader thread frees its slot)."""
+        rid, slot = self._new_slot(detached=True)
         self._send({"id": rid, "argv": [str(c) for c in cmd[1:]], "env": env, "cwd": str(cwd),
-                    "stdout": str(stdout), "stderr": str(stderr), "new_session": True,
-                    "sigint_default": True})
+                    **request})
         if not slot["started"].wait(60) or slot.get("pid") is None:
             raise RuntimeError(f"{' '.join(map(str, cmd))}: {self._death()}")
         return Started(self, rid, slot)
@@ -823,8 +822,8 @@ class Zygote:
 
 
 class Started:
-    """A command started by Zygote.start_in_terminal: as much of subprocess.Popen as a test
-    of a terminal program needs (pid, poll, wait, kill)."""
+    """A command started by Zygote.start_in_terminal or start_command: as much of
+    subprocess.Popen as a test of it needs (pid, poll, returncode, wait, kill)."""
 
     def __init__(self, zygote: Zygote, rid: int, slot: dict):
         self.zygote, self.rid, self.slot, self.pid = zygote, rid, slot, slot["pid"]
