@@ -22,10 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # no window: files only
-import matplotlib.pyplot as plt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: apparatus
+from apparatus.pictures import plt, save_figure  # noqa: E402  (matplotlib without a window)
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSON = ROOT / "lessons" / "15_zero_fsdp.py"
@@ -76,8 +74,7 @@ def draw_stages(metrics: dict, to: Path) -> Path:
                  fontsize=9)
     for ax in (left, right):
         ax.spines[["top", "right"]].set_visible(False)
-    fig.tight_layout()
-    return _save(fig, to)
+    return save_figure(fig, to)
 
 
 def draw_timeline(metrics: dict, to: Path) -> Path:
@@ -102,15 +99,7 @@ def draw_timeline(metrics: dict, to: Path) -> Path:
                  f"gathered once", fontsize=9)
     ax.legend(fontsize=7, ncol=4, loc="lower right")
     ax.spines[["top", "right"]].set_visible(False)
-    fig.tight_layout()
-    return _save(fig, to)
-
-
-def _save(fig, to: Path) -> Path:
-    to.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(to, dpi=90)
-    plt.close(fig)
-    return to
+    return save_figure(fig, to)
 
 
 def main() -> None:
@@ -130,9 +119,8 @@ def main() -> None:
     metrics = {name: json.loads((run / "metrics.json").read_text())
                for name, run in zip(("ddp", "zero1", "fsdp"), runs)}
     folder = args.to or (ROOT / "docs" / "img" if not args.runs else args.runs[0])
-    for path in (draw_stages(metrics, folder / "15_zero_stages.png"),
-                 draw_timeline(metrics["fsdp"], folder / "15_fsdp_timeline.png")):
-        print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+    print(draw_stages(metrics, folder / "15_zero_stages.png"))
+    print(draw_timeline(metrics["fsdp"], folder / "15_fsdp_timeline.png"))
 
 
 if __name__ == "__main__":

@@ -18,10 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # no window: files only
-import matplotlib.pyplot as plt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: apparatus
+from apparatus.pictures import plt, save_figure  # noqa: E402  (matplotlib without a window)
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSON = ROOT / "lessons" / "17_tensor_parallel.py"
@@ -71,11 +69,7 @@ def draw(runs: list[Path], to: Path) -> str:
                  f"an all-reduce where a sublayer's output leaves (g); sequence parallel: a reduce-scatter "
                  f"there and an all-gather where the next sublayer's input enters (f)", fontsize=9, wrap=True)
     ax.spines[["top", "right"]].set_visible(False)
-    fig.tight_layout()
-    to.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(to, dpi=90)
-    plt.close(fig)
-    return f"wrote {to.relative_to(ROOT) if to.is_relative_to(ROOT) else to}"
+    return save_figure(fig, to)
 
 
 def main() -> None:

@@ -19,10 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # no window: files only
-import matplotlib.pyplot as plt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: apparatus
+from apparatus.pictures import plt, save_figure  # noqa: E402  (matplotlib without a window)
 
 from pipeline import plot  # noqa: E402  (this folder: the lesson's own drawing)
 
@@ -50,11 +48,7 @@ def draw(run: Path, to: Path) -> str:
     axes[-1].set_xlabel("time (1 unit = a forward of one rank's share of the model)")
     fig.suptitle(f"Lesson 18: P={ranks} ranks, M={metrics['microbatches']} micro-batches "
                  f"(F = forward, B = backward, I/W = its input and weight halves)", fontsize=10)
-    fig.tight_layout()
-    to.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(to, dpi=90)
-    plt.close(fig)
-    return f"wrote {to.relative_to(ROOT) if to.is_relative_to(ROOT) else to}"
+    return save_figure(fig, to)
 
 
 def main() -> None:

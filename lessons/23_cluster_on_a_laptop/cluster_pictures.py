@@ -16,10 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # no window: files only
-import matplotlib.pyplot as plt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: apparatus
+from apparatus.pictures import plt, save_figure  # noqa: E402  (matplotlib without a window)
 
 ROOT = Path(__file__).resolve().parents[2]
 LESSON = ROOT / "lessons" / "23_cluster_on_a_laptop.py"
@@ -54,11 +52,7 @@ def draw(folders: list[Path], to: Path) -> str:
     ax.set_title(f"Rank 0 of a {runs[0]['parameters'] / 1e9:.2f}B-parameter job, one process, fake ranks")
     ax.legend(fontsize=8, loc="center left")
     ax.grid(True, which="major", alpha=0.3)
-    fig.tight_layout()
-    Path(to).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(to, dpi=110)
-    plt.close(fig)
-    return f"wrote {to}"
+    return save_figure(fig, Path(to), dpi=110)
 
 
 def main() -> None:

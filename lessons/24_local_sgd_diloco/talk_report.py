@@ -117,9 +117,7 @@ def sweep(plan: D.Plan, rank: int, device, run_ours, folder, ui) -> dict:
 
 def save_plot(out: dict, curves: dict, plan: D.Plan, path) -> str:
     try:
-        import matplotlib
-        matplotlib.use("Agg")  # no window: files only
-        import matplotlib.pyplot as plt
+        from apparatus.pictures import plt, save_figure  # matplotlib, only when a sweep draws
     except ImportError:
         return "matplotlib is not installed, so no PNG (make venv installs it: requirements.txt)"
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -138,11 +136,7 @@ def save_plot(out: dict, curves: dict, plan: D.Plan, path) -> str:
     right.set_xlabel("bytes sent per sample (all replicas, measured)")
     right.set_ylabel(f"held-out loss after {plan.steps * T.GLOBAL_BATCH:,} samples")
     fig.suptitle(f"Lesson 24: {plan.world} replicas, inner {plan.inner}, outer {plan.outer}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return f"wrote {shown(path)}"
+    return save_figure(fig, path)
 
 
 def dropout_cost(plan: D.Plan, held_out: float, log: CommLog, rank: int, device, run_ours, ui,
