@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, run
+from conftest import ROOT, import_lesson, parse_error, run
 
 TOOL = ROOT / "tools" / "gpu_check.py"
 NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}  # no GPU even on a machine that has one
@@ -26,11 +26,11 @@ def load_tool():
 
 
 gc = load_tool()
-LESSONS = [f"{n:02d}" for n in range(1, 21)]
+LESSONS = [f"{n:02d}" for n in range(1, 25)]
 
 
 @pytest.fixture(autouse=True)
-def lessons_01_to_20(monkeypatch):
+def lessons_01_to_24(monkeypatch):
     """Plan the lessons SPECS knows: one newer than it costs its --help (seconds each), which
     its own test below checks once."""
     monkeypatch.setattr(gc, "lesson_numbers", lambda: LESSONS)
@@ -296,3 +296,21 @@ def test_sigterm_to_the_check_stops_the_runs_it_started(tmp_path):
     assert "interrupted: every run was stopped" in err
     time.sleep(0.2)
     assert not alive(sleeper_pid), "a run outlived the check"
+
+
+@pytest.mark.parametrize("num", sorted(n for n, spec in gc.SPECS.items() if spec.kind == "cpu"))
+def test_a_lesson_the_table_calls_cpu_by_design_refuses_cuda(num, monkeypatch, capsys):
+    """The "cpu" rows say the lesson refuses --device cuda: it does, in one line, before any
+    work (lesson 23 used to accept the flag and ignore it)."""
+    line = parse_error(import_lesson(num), ["--device", "cuda"], monkeypatch, capsys)
+    assert "--device" in line, line
+
+
+@pytest.mark.parametrize("num", sorted(n for n, spec in gc.SPECS.items() if spec.kind == "ranks"))
+def test_every_planned_command_passes_the_lessons_own_flag_checks(num, monkeypatch):
+    """A row's short flags at each world size it may use are flags the lesson accepts (lesson
+    24's --steps must be a multiple of its --sync-every, for one): parsed in-process."""
+    spec, lesson = gc.SPECS[num], import_lesson(num)
+    for world in spec.sizes:
+        monkeypatch.setattr(sys, "argv", [lesson.__file__, "--device", "cpu", *spec.short, "--world-size", str(world)])
+        lesson.parse_args()  # exits 2 with one line if the plan asks for what the lesson refuses

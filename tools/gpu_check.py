@@ -62,8 +62,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = {1: 1e-3, 2: 1e-2}
 
 RECIPE_SIZES = tuple(n for n in range(1, 17) if 96 % n == 0)    # common/recipe.py: GLOBAL_BATCH 96, 16 ranks at most
+ACCUM_SIZES = tuple(n for n in RECIPE_SIZES if 96 // n % 4 == 0)  # 08: 4 equal micro-batches per rank (--accum-steps 4)
 PART2_SIZES = tuple(n for n in range(1, 9) if 48 % n == 0)      # common/transformer.py: GLOBAL_BATCH 48, 8 at most
 HEAD_SIZES = (1, 2, 4)                                          # 17 and 18: must also divide 4 heads / 4 pieces
+CP_SIZES = (1, 2, 4, 8)                                         # 21: must divide half a sequence, 16 tokens
+EXPERT_SIZES = (1, 2, 4)                                        # 22: must also divide its 4 experts
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ SPECS = {
     "05": Spec("ranks", ("--epochs", "1"), RECIPE_SIZES, estimate=(14, 10)),
     "06": Spec("nodes", ("--epochs", "1"), RECIPE_SIZES, estimate=(15, 12)),
     "07": Spec("elastic", ("--epochs", "1"), RECIPE_SIZES, estimate=(30, 25)),
-    "08": Spec("ranks", ("--epochs", "1"), RECIPE_SIZES, estimate=(35, 45)),
+    "08": Spec("ranks", ("--epochs", "1"), ACCUM_SIZES, estimate=(35, 45)),
     "09": Spec("ranks", ("--epochs", "1"), RECIPE_SIZES, estimate=(20, 18)),
     "10": Spec("cpu", ("--world-size", "2", "--sizes", "1000,100000", "--repeats", "1"),
                weights=False, estimate=(15, 0)),
@@ -112,6 +115,11 @@ SPECS = {
     "18": Spec("ranks", ("--steps", "30"), HEAD_SIZES, estimate=(20, 17)),
     "19": Spec("mesh", ("--steps", "30"), PART2_SIZES, estimate=(20, 17)),
     "20": Spec("ranks", ("--epochs", "1"), RECIPE_SIZES, estimate=(18, 15)),
+    # Part 3: each lesson's own one-process run is its baseline; the GPU run against the CPU
+    "21": Spec("ranks", ("--steps", "30"), CP_SIZES, estimate=(15, 10)),
+    "22": Spec("ranks", ("--steps", "30"), EXPERT_SIZES, estimate=(18, 12)),
+    "23": Spec("cpu", weights=False, estimate=(20, 0)),
+    "24": Spec("ranks", ("--steps", "32"), PART2_SIZES, estimate=(18, 12)),  # a multiple of H = 8
 }
 CORE_FLAGS = {"--device", "--out", "--world-size", "--steps", "--epochs"}  # every lesson keeps these
 
@@ -245,6 +253,8 @@ def plan_lesson(num: str, gpus: int, dut: str, runs_dir: Path, py: str) -> Check
                          "on the CPU (--device auto), and this row checks that")
     elif spec.kind == "cpu":
         gpu_device, world, backend = "auto", 2, "gloo"
+        if num == "23":  # rank 0 of a fake 1,024-rank job: one process, no collective really runs
+            world, backend = 1, "fake"
         notes.append("CPU by design (refuses --device cuda): one run with --device auto, "
                      "passes on exit 0")
     elif spec.kind == "mesh":
