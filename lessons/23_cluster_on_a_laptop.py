@@ -42,7 +42,7 @@ from apparatus.comm import CommLog
 import cluster_report as R
 import fake_cluster as F
 from common import transformer as T
-from common.cli import fail, lesson_parser, run, seed_number
+from common.cli import lesson_parser, run, seed_number
 from common.distributed import choose_port, init_from_env, spawn, teardown
 from apparatus.results import claim_out, make_metrics, out_dir, save_results, shown
 from apparatus.ui import UI, Timer
@@ -53,11 +53,7 @@ def parse_args():
     parser.add_argument("--seed", type=seed_number, default=T.SEED,
                         help="seed for the initial weights and the tokens")
     R.add_flags(parser)  # --model, --world-size, --dp, --tp, --microbatches, --real
-    args = parser.parse_args()
-    if args.device == "cuda":  # fake tensors have no device to run on; --real ranks use gloo
-        fail("this lesson runs on the CPU by design (fake tensors, and gloo for --real): "
-             "its numbers do not depend on the device; leave out --device")
-    return R.check_flags(args)  # dp x tp = world size; tp divides the heads
+    return R.check_flags(parser.parse_args())  # dp x tp = world size; tp divides the heads
 
 
 def main() -> None:

@@ -39,6 +39,9 @@ def add_flags(parser) -> None:
 def check_flags(args):
     """One line naming the problem and the fix, before any work; sets args.dp and args.size."""
     from common.cli import fail
+    if args.device == "cuda":  # fake tensors have no device to run on; --real ranks use gloo
+        fail("this lesson runs on the CPU by design (fake tensors, and gloo for --real): "
+             "its numbers do not depend on the device; leave out --device")
     size = args.size = SIZES[args.model]
     for flag in ("world_size", "tp", "microbatches") + (("dp",) if args.dp is not None else ()):
         if getattr(args, flag) < 1:
