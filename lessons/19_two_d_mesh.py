@@ -7,13 +7,15 @@ is split across tp (lesson 17's plan), then fully_shard shards what each rank ho
 dp; the batch is split across dp only. Measured on every rank: who talks to whom, the bytes
 it holds, and the bytes each mesh dimension sends per step, beside the planner's formulas
 (lessons/19_two_d_mesh/planner.py), and lesson 13's weights within 1e-3. --plan runs the same
-formulas for a real job (a 7B model on 8 or 64 GPUs) and starts no process.
+formulas for a real job (a 7B model on 8 or 64 GPUs): memory, bytes, FLOPs, step time and
+MFU, written to --out's plan.json; it starts no process.
 
 Run:
     make lesson-19
     make lesson-19 ARGS="--dp 4 --tp 1"
     .venv/bin/python lessons/19_two_d_mesh.py --dp 1 --tp 4
     .venv/bin/python lessons/19_two_d_mesh.py --plan 7e9 --gpus 64 --gpu-gb 80
+    .venv/bin/python lessons/19_two_d_mesh.py --plan 7e9 --gpus 64 --sequence-parallel --out runs/plan
 
 Doc: docs/19_two_d_mesh.md
 """
@@ -64,7 +66,7 @@ def main() -> None:
     claim_out(out_dir("19", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     if args.plan is not None:  # the planner alone: formulas, no processes (lessons/19_two_d_mesh/planner.py)
-        return planner.show_plan(ui, args)
+        return planner.show_plan(ui, args, out_dir("19", args.out))  # and --out's plan.json
     ui.title(f"Lesson 19: a {args.dp} x {args.tp} mesh (dp x tp) on {args.world_size} ranks")
 
     # Step 1: Start dp x tp ranks, one device each

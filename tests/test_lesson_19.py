@@ -6,8 +6,12 @@ weights, the groups each rank talks in, the bytes each rank holds and sends per 
 numbers worked out here from the recipe's shapes; the steps it prints. The planner's other formulas: DDP and ZeRO-3 against lesson 15's
 formulas (which its tests measure), ZeRO-1/2 by arithmetic, the pipeline's bytes on a real
 2-stage pipeline of the recipe (2 processes), its bubble against lesson 18's GPipe timeline;
-and --plan's table in-process.
+by arithmetic, the mixed-precision plan (18 bytes per parameter, fp32 gradients on the wire),
+micro-batches (ZeRO-2/3's bytes grow with them, DDP's and ZeRO-1's do not), sequence parallel,
+recompute's extra all-reduces and FLOPs, step time and MFU; and --plan's tables (80 columns)
+and plan.json in-process, and the doc's picture drawn from plan.json files.
 """
+import json
 import math
 
 import pytest
@@ -16,7 +20,7 @@ from apparatus import sharding
 import pipeline
 import planner
 from common import transformer as T
-from conftest import import_lesson, load_run, max_abs_diff, parse_error, run_lesson
+from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson
 
 STEPS = 6
 DP, TP = 2, 2
@@ -109,8 +113,9 @@ def test_planner_agrees_with_the_formulas_lesson_15_measures():
     z1, z2 = (planner.memory(model, planner.Layout(dp=4, zero=z), planner.FP32) for z in (1, 2))
     assert z1 == {"parameters": 4 * PSI, "gradients": 4 * PSI, "optimizer_state": 2 * PSI}
     assert z2 == {"parameters": 4 * PSI, "gradients": PSI, "optimizer_state": 2 * PSI}
-    # mixed precision: 16 bytes per parameter on one GPU (the ZeRO paper's 2 + 2 + 12)
-    assert sum(planner.memory(model, planner.Layout()).values()) == 16 * PSI
+    # mixed precision as Megatron-LM keeps it: 2 (bf16 weights) + 4 (fp32 gradients) + 12 = 18
+    assert planner.memory(model, planner.Layout()) == {"parameters": 2 * PSI, "gradients": 4 * PSI,
+                                                       "optimizer_state": 12 * PSI}
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8)])
@@ -121,18 +126,145 @@ def test_pipeline_bubble_is_gpipes_idle_share(p, m):
     assert planner.bubble(p, m) == pipeline.bubble_formula(p, m)
 
 
-def test_plan_table_for_a_7b_model(monkeypatch, capsys):
+def _plan(lesson, flags, folder, monkeypatch, capsys, columns=80) -> tuple[str, dict]:
+    """--plan in-process (no processes to start): what it printed, and its plan.json."""
+    monkeypatch.setattr("sys.argv", ["19", "--plan", *map(str, flags), "--out", str(folder)])
+    monkeypatch.setenv("COLUMNS", str(columns))
+    lesson.main()
+    return capsys.readouterr().out, json.loads((folder / "plan.json").read_text())
+
+
+def test_plan_tables_for_a_7b_model_fit_80_columns(monkeypatch, capsys, tmp_path):
     lesson = import_lesson("19")
-    for gpus in (8, 64):
-        monkeypatch.setattr("sys.argv", ["19", "--plan", "7e9", "--gpus", str(gpus), "--gpu-gb", "80"])
-        monkeypatch.setenv("COLUMNS", "160")
-        lesson.main()
-        out = capsys.readouterr().out
-        assert "ASSUMED" in out and f"{gpus} GPUs of 80 GB" in out
-        rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
-        assert "NO" in rows[f"DDP {gpus}"]  # 16 bytes x 7e9 = 112 GB: DDP does not fit
-        assert "112.0" in rows[f"DDP {gpus}"] and f"{16 * 7e9 / gpus / 1e9:.1f}" in rows[f"ZeRO-3 {gpus}"]
-    assert "tp" in rows["TP 16 x ZeRO-3 4"].split("│")[6]  # tensor parallel across nodes: flagged
+    for gpus, sp in ((8, False), (64, False), (64, True)):
+        flags = ["7e9", "--gpus", gpus, "--gpu-gb", 80] + (["--sequence-parallel"] if sp else [])
+        out, plan = _plan(lesson, flags, tmp_path / f"{gpus}{sp}", monkeypatch, capsys)
+        assert "ASSUMED" in out and f"{gpus} GPUs of 80 GB" in out and "wrote" in out
+        assert "989 TFLOP/s" in out and "450 GB/s" in out and "50 GB/s" in out
+        table = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+        assert table and max(map(len, table)) <= 80, max(table, key=len)  # nothing wraps
+        names = [r["layout"] for r in plan["rows"]]
+        assert (" SP" in " ".join(names)) == sp
+        cells = [[c.strip() for c in line.split("│")[1:-1]] for line in table if line.startswith("│")]
+        for name in names:  # one line in each of the three tables, the whole name on it
+            assert [c[0] for c in cells].count(name) == 3, (name, [c[0] for c in cells])
+        assert len(cells) == 3 * len(names)  # no row continued on a second line
+        rows = {c[0]: c for c in cells if len(c) == 5}  # the memory table
+        assert rows[f"DDP {gpus}"][1:] == ["126.0", "1.1", "127.1", "NO"]  # 18 x 7e9 bytes: no fit
+        assert rows[f"ZeRO-3 {gpus}"][1] == f"{18 * 7e9 / gpus / 1e9:.1f}"
+    sent = {c[0]: c for c in cells if len(c) == 6}
+    assert sent["TP 16 SP x ZeRO-3 4"][4] == "tp dp"  # tensor parallel across nodes: flagged
+
+
+def test_plan_json_has_the_interface_keys(monkeypatch, capsys, tmp_path):
+    """--plan ... --out DIR writes DIR/plan.json: rows with the keys issue #23 fixes, the
+    planner's own numbers."""
+    _, plan = _plan(import_lesson("19"), ["7e9", "--gpus", 64, "--microbatches", 4], tmp_path,
+                    monkeypatch, capsys, columns=160)
+    model = planner.Model(7e9, 32, 4096, 4096, 1, 4)
+    assert plan["assumed"]["peak_flops_per_s"] == planner.PEAK and plan["gpus"] == 64
+    for row in plan["rows"]:
+        assert {"layout", "dp", "tp", "pp", "micro_batches", "state_bytes", "activation_bytes",
+                "bytes_sent", "compute_seconds", "comm_seconds"} <= set(row)
+        lay = planner.Layout(row["dp"], row["tp"], row["pp"], row["zero"], row["sequence_parallel"])
+        assert lay.name == row["layout"] and row["micro_batches"] == 4 and lay.dp * lay.tp * lay.pp == 64
+        assert row["state_bytes"] == pytest.approx(sum(planner.memory(model, lay).values()))
+        assert row["activation_bytes"] == pytest.approx(planner.activations(model, lay))
+        assert row["bytes_sent"] == pytest.approx(planner.comm(model, lay))
+        assert set(row["bytes_sent"]) == {"dp", "tp", "pp"} and row["compute_seconds"] > 0
+
+
+def test_a_bad_out_is_refused_before_the_plan(monkeypatch, capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr("sys.argv", ["19", "--plan", "7e9", "--out", str(tmp_path / "file")])
+    with pytest.raises(SystemExit) as exit_info:
+        import_lesson("19").main()
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == "" and err.count("\n") == 1 and "is a file" in err
+
+
+def test_zero_2_and_3_bytes_grow_with_micro_batches_ddp_and_zero_1s_do_not():
+    """DDP and ZeRO-1 accumulate the micro-batches' gradients locally and send once a step;
+    ZeRO-2 keeps only its 1/D of the gradients, so it reduce-scatters each micro-batch's;
+    ZeRO-3 also gathers the weights twice in each. Mixed precision: gradients go in fp32 (4),
+    weights in bf16 (2)."""
+    D, W = 8, 7e9
+    ring = (D - 1) / D
+    sent = {(z, m): planner.comm(planner.Model(W, 32, 4096, 4096, 1, m), planner.Layout(dp=D, zero=z))["dp"]
+            for z in range(4) for m in (1, 8)}
+    assert sent[0, 8] == sent[0, 1] == pytest.approx(2 * ring * W * 4)  # DDP: all-reduce, fp32
+    assert sent[1, 8] == sent[1, 1] == pytest.approx(ring * W * (4 + 2))  # reduce-scatter + all-gather
+    assert sent[2, 8] == pytest.approx(ring * W * (4 * 8 + 2)) and sent[2, 8] > 5 * sent[2, 1]
+    assert sent[3, 8] == pytest.approx(8 * sent[3, 1]) == pytest.approx(ring * W * (2 + 2 + 4) * 8)
+    for z in range(4):  # fp32 on the wire (lessons 15, 19, 23): DDP's and ZeRO-1's 2(D-1)/D
+        fp32 = planner.comm(planner.Model(W, 32, 4096, 4096, 1, 8), planner.Layout(dp=D, zero=z), element=4)["dp"]
+        assert fp32 == pytest.approx(ring * W * 4 * [2, 2, 8 + 1, 3 * 8][z])
+
+
+def test_activations_divide_by_t_only_with_sequence_parallel():
+    model = planner.Model(7e9, 32, 4096, 4096, 1, 8)
+    whole = planner.activations(model, planner.Layout())
+    assert whole == 32 * 4096 * 4096 * 2  # every block's input, bf16, checkpointed
+    assert planner.activations(model, planner.Layout(tp=8)) == whole  # each tp rank holds it all
+    assert planner.activations(model, planner.Layout(tp=8, sp=True)) == whole / 8
+    # without checkpointing (Korthikanti et al. 2022, Table 2): sbh(10 + 24/T), sbh 34/T with SP
+    full = planner.Model(7e9, 32, 4096, 4096, 1, 8, checkpoint=False)
+    sbh = 4096 * 4096
+    assert planner.activations(full, planner.Layout(tp=8)) == 32 * sbh * (10 + 24 / 8)
+    assert planner.activations(full, planner.Layout(tp=8, sp=True)) == 32 * sbh * 34 / 8
+    assert planner.Layout(tp=8, dp=8, zero=1, sp=True).name == "TP 8 SP x ZeRO-1 8"
+
+
+def test_recompute_repeats_the_forward_all_reduces_and_flops():
+    """Full checkpointing: 6 tp all-reduces per block per micro-batch (2 forward, 2 recomputed,
+    2 backward), 4 without (what lessons 19 and 23 measure); sequence parallel's all-gather +
+    reduce-scatter pairs send the same bytes. FLOPs: 8 x N x tokens instead of 6."""
+    act, ring, m = 2 * 4096 * 4096, 7 / 8, 8
+    for checkpoint, per_block in ((True, 6), (False, 4)):
+        model = planner.Model(7e9, 32, 4096, 4096, 1, m, checkpoint=checkpoint)
+        for sp in (False, True):
+            tp = planner.comm(model, planner.Layout(tp=8, sp=sp))["tp"]
+            assert tp == pytest.approx(32 * per_block * 2 * ring * act * m)
+        f = planner.flops(model, planner.Layout(dp=4, tp=2))
+        tokens = 4 * 1 * m * 4096
+        assert f["tokens"] == tokens and f["model_flops"] == 6 * 7e9 * tokens
+        assert f["hardware_flops_per_gpu"] == (per_block + 2) * 7e9 * tokens / 8
+
+
+@pytest.mark.parametrize("lay", [planner.Layout(dp=8, zero=3), planner.Layout(tp=8, pp=4, dp=2, zero=1)],
+                         ids=lambda lay: lay.name)
+def test_step_time_and_mfu_arithmetic(lay):
+    model = planner.Model(7e9, 32, 4096, 4096, 1, 8)
+    sent, cross = planner.comm(model, lay), planner.crosses_nodes(lay, 8)
+    t = planner.step_time(model, lay, sent, cross)
+    gpus, tokens = lay.dp * lay.tp * lay.pp, lay.dp * 8 * 4096
+    idle = planner.bubble(lay.pp, 8)
+    assert t["compute_seconds"] == pytest.approx(8 * 7e9 * tokens / gpus / planner.PEAK / (1 - idle))
+    assert t["comm_seconds"] == pytest.approx(sum(b / (planner.INFINIBAND if cross[d] else planner.NVLINK)
+                                                  for d, b in sent.items()))
+    assert t["step_seconds"] == pytest.approx(t["compute_seconds"] + t["comm_seconds"])
+    assert t["step_seconds_overlap"] == max(t["compute_seconds"], t["comm_seconds"])
+    for key, step in (("mfu", "step_seconds"), ("mfu_overlap", "step_seconds_overlap")):
+        assert t[key] == pytest.approx(6 * 7e9 * tokens / (t[step] * gpus * planner.PEAK))
+    assert t["mfu_overlap"] <= 0.75 * (1 - idle) + 1e-12  # recompute's 8/6 and the bubble at best
+
+
+def test_the_picture_is_drawn_from_plan_json(monkeypatch, capsys, tmp_path):
+    """pictures.py draws docs/img/19_dp_bytes.png from plan.json files; both docs show it."""
+    pytest.importorskip("matplotlib")
+    import importlib.util  # by path: other lessons' folders hold a pictures.py too
+    spec = importlib.util.spec_from_file_location("pictures_19", ROOT / "lessons" / "19_two_d_mesh" / "pictures.py")
+    spec.loader.exec_module(pictures := importlib.util.module_from_spec(spec))
+    lesson, runs = import_lesson("19"), []
+    for m in (1, 4):
+        runs.append(tmp_path / f"m{m}")
+        _plan(lesson, ["7e9", "--gpus", 64, "--microbatches", m], runs[-1], monkeypatch, capsys)
+    png = tmp_path / "dp.png"
+    assert pictures.draw(runs, png) == f"wrote {png}" and png.stat().st_size > 10_000
+    for doc, img in (("docs/19_two_d_mesh.md", "img"), ("docs/zh/19_two_d_mesh.md", "../img")):
+        text = (ROOT / doc).read_text()
+        assert f"]({img}/19_dp_bytes.png)" in text and "lessons/19_two_d_mesh/pictures.py" in text, doc
+    assert (ROOT / "docs" / "img" / "19_dp_bytes.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("flags,words", [  # Part 2's one rule (common/transformer.py), per dimension

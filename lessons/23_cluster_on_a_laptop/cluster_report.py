@@ -75,14 +75,16 @@ def planner_model(size: Size, microbatches: int, shapes: bool = True) -> P.Model
     """Lesson 19's planner.Model for one of our sizes: one sequence per micro-batch per dp rank;
     `replicated`: the parameters lesson 19's plan leaves whole on every tp rank; `shapes`: every
     parameter's shape, tp split and FSDP group (the block it is in, or the root), so the planner
-    counts FSDP2's padding. shapes=False: the planner's even division, for comparison."""
+    counts FSDP2's padding. shapes=False: the planner's even division, for comparison. No block
+    is checkpointed: 4 tp all-reduces per block. planner_keys passes element=4: every tensor
+    here is fp32, so the planner's mixed-precision sizes would not compare."""
     with torch.device("meta"):
         named = list(make_model(size).named_parameters())
     replicated = sum(p.numel() for n, p in named if not split_of(n))
     tensors = [P.Tensor(tuple(p.shape), split_of(n), ".".join(n.split(".")[:2]) if n.startswith("blocks.") else "root")
                for n, p in named]
     return P.Model(count_parameters(size), size.blocks, size.dim, size.seq, 1, microbatches, replicated,
-                   tensors if shapes else None)
+                   tensors if shapes else None, checkpoint=False)  # our blocks are not checkpointed
 
 
 def planner_keys(size: Size, dp: int, tp: int, microbatches: int) -> dict:
