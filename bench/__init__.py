@@ -10,5 +10,6 @@
 
 Every number is the median of several timed repetitions after a warm-up, with the
 min-max spread beside it; a repetition of a multi-rank benchmark lasts as long as its
-slowest rank.
+slowest rank. The methods a section compares are timed in turn (A B, B A, A B, ...:
+measure.Ctx.timed_in_turn), so a drift in the machine's speed touches them alike.
 """

@@ -117,7 +117,7 @@ def _render(results: dict, images: dict, note: str | None) -> str:
               "faster, and what it costs, as *measured* by `make bench` on the machine "
               "described below: DDP's throughput on 1, 2, ... ranks, what its gradient "
               "buckets do, lesson 10's hand-written all-reduces against `dist.all_reduce`, "
-              "what `no_sync()` saves in gradient accumulation, and, on Part 2's transformer, "
+              "what `no_sync()` does to the time of gradient accumulation, and, on Part 2's transformer, "
               "FSDP2 against DDP, the collectives of tensor parallel and the pipeline "
               "schedules. Every number below is "
               "written by the script from `runs/bench/results.json`, and so is every "
@@ -125,7 +125,7 @@ def _render(results: dict, images: dict, note: str | None) -> str:
               "人们学习分布式训练是为了更快。本页展示快了多少、代价是什么，全部由 `make bench` 在下面"
               "描述的机器上*实测*：DDP 在 1、2、…… 个秩上的吞吐量，梯度桶（bucket）起什么作用，第 10 课"
               "手写的全局规约（all-reduce）与 `dist.all_reduce` 的对比，`no_sync()` 在梯度累积中"
-              "省下了多少，以及在 Part 2 的 Transformer 上 FSDP2 与 DDP 的对比、张量并行的集合通信和"
+              "带来了什么变化，以及在 Part 2 的 Transformer 上 FSDP2 与 DDP 的对比、张量并行的集合通信和"
               "流水线调度。下面的每个数字都由脚本从 `runs/bench/results.json` 写出，每一句解读数字的话"
               "也是如此：没有一处是手工输入的。"), ""]
     warnings = []
@@ -194,6 +194,16 @@ def _render(results: dict, images: dict, note: str | None) -> str:
               f"* 每个数字都是 {s['warmup']} 次不计时的预热之后，**{s['reps']} 次计时重复的中位数**；"
               f"旁边给出各次重复的**最小值 - 最大值**范围。两个结果的范围若有重叠，无论中位数如何，"
               f"都不算有差别，下面的句子也会这样说。"),
+            L("* Methods that a section compares (no_sync and naive accumulation, the bucket "
+              "sizes, DDP and FSDP2, the tensor-parallel variants, the pipeline schedules, and "
+              "the one process they are set against) are **timed in turn**: one repetition of "
+              "each per round, the order reversed every other round (A B, B A, A B, ...), so "
+              "a machine that slows down during the run slows every method alike. "
+              "`results.json` keeps each repetition's place in that order (`timed_in_turn`).",
+              "* 同一节里相互比较的做法（no_sync 与朴素累积、各种桶大小、DDP 与 FSDP2、张量并行的各个变体、"
+              "各个流水线调度，以及作为比较基准的单进程）**轮流计时**：每轮各重复一次，每隔一轮把顺序反过来"
+              "（A B、B A、A B……），这样运行过程中机器变慢时，每种做法受到的影响相同。`results.json` 记下了"
+              "每次重复在这个顺序中的位置（`timed_in_turn`）。"),
             L("* A repetition of a multi-rank benchmark lasts as long as its **slowest rank**: "
               "the ranks meet at a barrier, run, and their times are combined with an "
               "all-reduce (MAX).",
@@ -743,6 +753,28 @@ def no_sync_section(sec: dict, images: dict, note) -> list[str]:
     return out + no_sync_lines(sec) + [""]
 
 
+def saving(f: float, lo: float, hi: float) -> str:
+    """What no_sync did to a step's time, in words that follow the sign. f: the saving by the
+    medians, 1 - no_sync / naive; lo, hi: the least and the most it could have been over the
+    repetitions (1 - no_sync's max / naive's min, 1 - no_sync's min / naive's max). The noise
+    is the repetitions' spread: a saving is claimed only when even the least is above zero (the
+    spreads do not overlap), a cost only when even the most is below; otherwise neither."""
+    if lo > 0:
+        return L(f"saved {f:.0%} of the time", f"省下了 {f:.0%} 的时间")
+    if hi < 0:
+        return L(f"cost {-f:.0%} more time", f"反而多花了 {-f:.0%} 的时间")
+    return L(f"made no measurable difference (the medians differ by {abs(f):.0%}, inside the "
+             f"repetitions' spread)",
+             f"没有带来可测量的差别（中位数相差 {abs(f):.0%}，在重复测量的波动范围之内）")
+
+
+def saving_range(naive: dict, quiet: dict) -> tuple[float, float, float]:
+    """(by the medians, least, most): no_sync's saving over naive accumulation, from the two
+    rows' step_ms summaries."""
+    n, q = naive["step_ms"], quiet["step_ms"]
+    return 1 - q["median"] / n["median"], 1 - q["max"] / n["min"], 1 - q["min"] / n["max"]
+
+
 def no_sync_lines(sec: dict) -> list[str]:
     """Calls and time per optimizer step, naive vs no_sync, for each configuration."""
     rows, accum = sec["rows"], sec["config"]["accum"]
@@ -751,46 +783,53 @@ def no_sync_lines(sec: dict) -> list[str]:
     for config in dict.fromkeys(r["config"] for r in rows):
         naive = next((r for r in rows if r["config"] == config and r["method"] == "naive"), None)
         quiet = next((r for r in rows if r["config"] == config and r["method"] == "no_sync"), None)
-        if naive and quiet and "saved_fraction" in quiet:
-            # the saving's range over the repetitions: least and most it could have been
-            lo = 1 - quiet["step_ms"]["max"] / naive["step_ms"]["min"]
-            hi = 1 - quiet["step_ms"]["min"] / naive["step_ms"]["max"]
-            saved[config] = (quiet["saved_fraction"], lo, hi)
-            f = quiet["saved_fraction"]
+        if naive and quiet:
+            saved[config] = f, lo, hi = saving_range(naive, quiet)
+            reps = len(naive["step_ms"].get("values", []))
+            turn = "timed_in_turn" in naive  # results.json from before the turns: not said
+            how = (L(f" (medians of {reps} repetitions" + (", the two timed in turn)" if turn else ")"),
+                     f"（{'轮流计时的 ' if turn else ''}{reps} 次重复的中位数）") if reps else "")
             out.append(L(f"* {config}: naive accumulation made {naive['calls_per_step']:g} "
                          f"all-reduce calls per optimizer step, no_sync {quiet['calls_per_step']:g}; "
                          f"a step took {report.num(naive['step_ms']['median'])} ms naively and "
-                         f"{report.num(quiet['step_ms']['median'])} ms with no_sync, "
-                         f"**{abs(f):.0%} {'less' if f >= 0 else 'more'}** by the medians; "
-                         f"{real(quiet['step_ms'], naive['step_ms'])}.",
+                         f"{report.num(quiet['step_ms']['median'])} ms with no_sync{how}: "
+                         f"no_sync **{saving(f, lo, hi)}**.",
                          f"* {config}：朴素累积每个优化器步做 {naive['calls_per_step']:g} 次全局规约，"
                          f"no_sync 做 {quiet['calls_per_step']:g} 次；一步朴素做法用 "
                          f"{report.num(naive['step_ms']['median'])} ms，no_sync 用 "
-                         f"{report.num(quiet['step_ms']['median'])} ms，按中位数"
-                         f"**{'少' if f >= 0 else '多'} {abs(f):.0%}**；"
-                         f"{real(quiet['step_ms'], naive['step_ms'])}。"))
+                         f"{report.num(quiet['step_ms']['median'])} ms{how}：no_sync "
+                         f"**{saving(f, lo, hi)}**。"))
+            if hi < 0:
+                out[-1] += L(f" no_sync runs the same arithmetic with fewer all-reduces, so a "
+                             f"slower step is something this run does not explain (another "
+                             f"program, the CPU's clock): rerun `make bench` on a quiet machine.",
+                             f"no_sync 做的计算相同、全局规约更少，所以一步变慢是这次运行没有解释的现象"
+                             f"（其他程序、CPU 的频率）：请在空闲的机器上重新运行 `make bench`。")
     if len(saved) == 2 and "communication-bound" in saved and "compute-bound" in saved:
-        (fc, lo_c, _), (fx, _, hi_x) = saved["communication-bound"], saved["compute-bound"]
+        (fc, lo_c, hi_c), (fx, lo_x, hi_x) = saved["communication-bound"], saved["compute-bound"]
+        change = L(f"(step time {-fc:+.0%} on the small model, {-fx:+.0%} on the wide one, by "
+                   f"the medians)", f"（按中位数，小模型一步的时间变化 {-fc:+.0%}，宽模型 {-fx:+.0%}）")
         if lo_c > hi_x:  # the small model saved more, even at its least against the wide one's most
             out.append(L(f"* no_sync skips the communication of {accum - 1} of every {accum} "
                          f"micro-batches, so what it is worth follows communication's share of "
-                         f"a step: it saved {fc:.0%} on the small model, whose step has little "
-                         f"arithmetic, and {fx:.0%} on the wide one (beyond the spread).",
+                         f"a step: on the small model, whose step has little arithmetic, it "
+                         f"{saving(fc, lo_c, hi_c)}; on the wide one it {saving(fx, lo_x, hi_x)}; "
+                         f"the small model gained more, beyond the spread.",
                          f"* no_sync 省掉了每 {accum} 个微批次中 {accum - 1} 个的通信，所以它的价值取决于"
-                         f"通信在一步中所占的比例：在每步计算很少的小模型上省了 {fc:.0%}，在宽模型上省了 "
-                         f"{fx:.0%}（超出了波动范围）。"))
+                         f"通信在一步中所占的比例：在每步计算很少的小模型上，它{saving(fc, lo_c, hi_c)}；"
+                         f"在宽模型上，它{saving(fx, lo_x, hi_x)}；小模型的收益更大，超出了波动范围。"))
         elif fc <= fx:
-            out.append(L(f"* Here the small model saved no more than the wide one ({fc:.0%} vs "
-                         f"{fx:.0%}), so this run does not show the saving following "
-                         f"communication's share of a step.",
-                         f"* 在这里，小模型省下的并不比宽模型多（{fc:.0%} 对 {fx:.0%}），所以这次运行"
-                         f"没有显示出节省随通信所占比例而变化。"))
+            out.append(L(f"* Here the small model gained no more than the wide one {change}, so "
+                         f"this run does not show the saving following communication's share of "
+                         f"a step.",
+                         f"* 在这里，小模型得到的收益并不比宽模型多{change}，所以这次运行没有显示出节省随通信"
+                         f"所占比例而变化。"))
         else:
-            out.append(L(f"* The small model saved more by the medians ({fc:.0%} vs {fx:.0%}), "
-                         f"but not beyond the run-to-run spread, so this run does not show the "
-                         f"saving following communication's share of a step.",
-                         f"* 按中位数，小模型省下的更多（{fc:.0%} 对 {fx:.0%}），但没有超出重复测量的"
-                         f"波动范围，所以这次运行没有显示出节省随通信所占比例而变化。"))
+            out.append(L(f"* The small model gained more by the medians {change}, but not beyond "
+                         f"the run-to-run spread, so this run does not show the saving following "
+                         f"communication's share of a step.",
+                         f"* 按中位数，小模型的收益更大{change}，但没有超出重复测量的波动范围，所以这次运行"
+                         f"没有显示出节省随通信所占比例而变化。"))
     return out
 
 

@@ -10,6 +10,14 @@ Timing rule, everywhere: synchronise, meet at a barrier, start the clock, run a 
 work, synchronise, stop the clock. A window of a multi-rank benchmark takes as long as its
 slowest rank, so every rank's time goes through an all-reduce with MAX.
 
+Methods that the page compares with each other (no_sync against naive accumulation, the
+bucket sizes, overlap on and off) are timed *in turn* (Ctx.timed_in_turn): one repetition of
+each per round, the order reversed every other round (A B, B A, A B, ...), so a machine that
+slows down or speeds up during the run (another program, the CPU's clock) touches every
+method alike. Timed one after the other, the method measured second takes all of a slowdown
+that comes late (timed that way, the page once showed no_sync 28% *slower* than naive
+accumulation on the wide model, beyond the spread).
+
 Every collective is counted by apparatus/comm.py's CommLog, the package's one counter: DDP's
 all-reduce calls and bytes, and the sends and receives of lesson 10's hand-written all-reduces.
 deferred_hook below is not a counter but a different schedule.
@@ -211,19 +219,25 @@ class Ctx:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl[n])
         return t.tolist()
 
+    def clock(self, window, n: int) -> tuple[float, float]:
+        """One timed window on this rank: (seconds, CPU seconds used per second)."""
+        self.sync()
+        dist.barrier(group=self.ctl[n])  # everyone starts together
+        t0, c0 = time.perf_counter(), time.process_time()
+        window()
+        self.sync()
+        seconds = time.perf_counter() - t0
+        return seconds, (time.process_time() - c0) / seconds
+
     def timed(self, window, n: int, warmup: int | None = None) -> list[float]:
         """Warm-up windows, then `reps` timed windows; seconds of the slowest rank each."""
         for _ in range(self.plan["warmup"] if warmup is None else warmup):
             window()
         times, busy = [], []
         for _ in range(self.plan["reps"]):
-            self.sync()
-            dist.barrier(group=self.ctl[n])  # everyone starts together
-            t0, c0 = time.perf_counter(), time.process_time()
-            window()
-            self.sync()
-            times.append(time.perf_counter() - t0)
-            busy.append((time.process_time() - c0) / times[-1])
+            seconds, cpu = self.clock(window, n)
+            times.append(seconds)
+            busy.append(cpu)
         # CPU seconds this process used per second of the window, for the least busy rank:
         # near 1 (one thread per rank) when it computed all the time; far below 1 when it
         # waited, for the others' gradients or for a core that another program held
@@ -231,6 +245,36 @@ class Ctx:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctl[n])
         self.last_cpu_busy = t.tolist()
         return self.slowest(times, n)
+
+    def timed_in_turn(self, windows: dict, n: int) -> tuple[dict[str, list[float]], dict]:
+        """`reps` timed windows of each of `windows` (name -> window, warmed up already),
+        taken in turn (see in_turn): {name: seconds of the slowest rank, one per round}, and
+        {name: the place of each of its windows in the order they ran}."""
+        got = in_turn(windows, self.plan["reps"], lambda w: self.clock(w, n)[0])
+        return {name: self.slowest(t, n) for name, t in got.times.items()}, got.places
+
+
+class InTurn:
+    """What in_turn() measured: times[name][r] is round r's seconds, places[name][r] its place
+    in the order the windows ran (0, 1, 2, ...: the JSON shows the interleaving)."""
+
+    def __init__(self, names):
+        self.times = {name: [] for name in names}
+        self.places = {name: [] for name in names}
+
+
+def in_turn(windows: dict, reps: int, clock) -> InTurn:
+    """`reps` rounds; in each, clock(window) once for every window, the order reversed every
+    other round (A B, B A, A B, ...): a drift during the run touches every method alike, and
+    no method always goes first (right after a warm-up) or last."""
+    names = list(windows)
+    got, place = InTurn(names), 0
+    for r in range(reps):
+        for name in names if r % 2 == 0 else names[::-1]:
+            got.times[name].append(clock(windows[name]))
+            got.places[name].append(place)
+            place += 1
+    return got
 
 
 def train_step(net: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -297,24 +341,19 @@ def scaling(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
 
 
 def bucketing(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
-    """DDP throughput and all-reduce calls for several bucket_cap_mb, overlap on and off."""
+    """DDP throughput and all-reduce calls for several bucket_cap_mb, overlap on and off; every
+    setting on its own model, all of them timed in turn (Ctx.timed_in_turn)."""
     group, rank, device = ctx.work[n], ctx.rank, ctx.device
     steps, global_batch = cfg["steps"], cfg["global_batch"]
     batches = rank_batches(global_batch, n, rank, device)
     runs = [(cap, True) for cap in cfg["caps"]] + [(cap, False) for cap in cfg["deferred_caps"]]
-    rows = []
+    nets, windows, counted = {}, {}, {}
     for cap, overlap in runs:
         model = deep_mlp(cfg["hidden"], cfg["layers"]).to(device)
         ddp = (wrap_counted(model, group, cap) if overlap else
                wrap_ddp(model, group, device, cap, deferred_hook, HookState(group)))
-        optimizer = recipe.make_optimizer(ddp)
-        feed = itertools.cycle(batches)
-
-        def window():
-            for _ in range(steps):
-                x, y = next(feed)
-                train_step(ddp, optimizer, x, y)
-
+        nets[cap, overlap] = (model, ddp)
+        windows[cap, overlap] = window = training_window(ddp, batches, steps)
         # DDP's first backward uses one bucket for everything, then it rebuilds them: at
         # least one warm-up window, and count only after it, in one more untimed window
         # (counting costs a little, so the timed windows do not count)
@@ -323,25 +362,43 @@ def bucketing(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
         log = CommLog()
         with log.recording():
             window()
-        counted = log.summary(steps, kinds=("all_reduce",))  # per backward: DDP's buckets
-        times = ctx.timed(window, n, warmup=0)
+        counted[cap, overlap] = log.summary(steps, kinds=("all_reduce",))  # per backward
+    times, places = ctx.timed_in_turn(windows, n)
+    rows = []
+    for (cap, overlap), (model, ddp) in nets.items():
+        t = times[cap, overlap]
         rows.append({
             "bucket_cap_mb": cap, "overlap": overlap, "world_size": n,
             "buckets_expected": expected_buckets(model, cap),
             "bucket_sizes_bytes": ddp_bucket_sizes(ddp),
-            "calls_per_backward": counted["calls_per_step"],
-            "bytes_per_backward": counted["data_bytes_per_step"],
-            "samples_per_s": summary([steps * global_batch / t for t in times]),
-            "step_ms": summary([t / steps * 1e3 for t in times]),
+            "calls_per_backward": counted[cap, overlap]["calls_per_step"],
+            "bytes_per_backward": counted[cap, overlap]["data_bytes_per_step"],
+            "samples_per_s": summary([steps * global_batch / x for x in t]),
+            "step_ms": summary([x / steps * 1e3 for x in t]),
+            "timed_in_turn": places[cap, overlap],
             "rank_spread": rank_spread(model, ctx.ctl[n]),
         })
-        del ddp, optimizer, model, window
-        gc.collect()
+    del nets, windows, window, model, ddp  # DDP's reducer holds the group: free it now
+    gc.collect()
     return rows
 
 
+def training_window(net: nn.Module, batches: list, steps: int):
+    """`steps` training steps of `net` on `batches` in turn, with its own optimizer."""
+    optimizer = recipe.make_optimizer(net)
+    feed = itertools.cycle(batches)
+
+    def window():
+        for _ in range(steps):
+            x, y = next(feed)
+            train_step(net, optimizer, x, y)
+
+    return window
+
+
 def no_sync(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
-    """Time per optimizer step of gradient accumulation: naive vs inside ddp.no_sync()."""
+    """Time per optimizer step of gradient accumulation: naive vs inside ddp.no_sync(), the
+    two timed in turn (Ctx.timed_in_turn), each on its own model."""
     group, rank, device = ctx.work[n], ctx.rank, ctx.device
     accum = cfg["accum"]
     rows = []
@@ -350,43 +407,52 @@ def no_sync(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
         # each optimizer step: `accum` micro-batches per rank, one global batch in all
         micro_batches = [list(zip(x.chunk(accum), y.chunk(accum)))
                          for x, y in rank_batches(global_batch, n, rank, device)]
+        models, windows, counted = {}, {}, {}
         for method in ("naive", "no_sync"):
             model = recipe_mlp(setup["hidden"]).to(device)
-            ddp = wrap_counted(model, group)
-            optimizer = recipe.make_optimizer(ddp)
-            feed = itertools.cycle(micro_batches)
-
-            def window():
-                for _ in range(steps):
-                    micro = next(feed)
-                    for i, (x, y) in enumerate(micro):
-                        last = i == len(micro) - 1
-                        # naive: every backward all-reduces; no_sync: only the last one
-                        quiet = ddp.no_sync() if method == "no_sync" and not last else nullcontext()
-                        with quiet:
-                            (F.cross_entropy(ddp(x), y) / accum).backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-
+            models[method] = model
+            windows[method] = accumulation_window(wrap_counted(model, group), micro_batches,
+                                                  accum, steps, method == "no_sync")
             for _ in range(max(1, ctx.plan["warmup"])):  # see bucketing()
-                window()
+                windows[method]()
             log = CommLog()
             with log.recording():  # one more untimed window, counted
-                window()
-            counted = log.summary(steps, kinds=("all_reduce",))  # per optimizer step
-            times = ctx.timed(window, n, warmup=0)
+                windows[method]()
+            counted[method] = log.summary(steps, kinds=("all_reduce",))  # per optimizer step
+        times, places = ctx.timed_in_turn(windows, n)
+        for method, model in models.items():
             rows.append({
                 "config": setup["name"], "method": method, "world_size": n, "accum": accum,
                 "hidden": setup["hidden"], "global_batch": global_batch,
                 "micro_batch": global_batch // (n * accum), "steps_per_rep": steps,
-                "step_ms": summary([t / steps * 1e3 for t in times]),
-                "calls_per_step": counted["calls_per_step"],
-                "bytes_per_step": counted["data_bytes_per_step"],
+                "step_ms": summary([t / steps * 1e3 for t in times[method]]),
+                "timed_in_turn": places[method],  # the place of each repetition in the order run
+                "calls_per_step": counted[method]["calls_per_step"],
+                "bytes_per_step": counted[method]["data_bytes_per_step"],
                 "rank_spread": rank_spread(model, ctx.ctl[n]),
             })
-            del ddp, optimizer, model, window
-            gc.collect()
+        del models, windows, model
+        gc.collect()
     return rows
+
+
+def accumulation_window(ddp: DDP, micro_batches: list, accum: int, steps: int, quiet: bool):
+    """`steps` optimizer steps of `accum` micro-batches each: naive, every backward all-reduces;
+    quiet (no_sync), only the last one does."""
+    optimizer = recipe.make_optimizer(ddp)
+    feed = itertools.cycle(micro_batches)
+
+    def window():
+        for _ in range(steps):
+            micro = next(feed)
+            for i, (x, y) in enumerate(micro):
+                last = i == len(micro) - 1
+                with ddp.no_sync() if quiet and not last else nullcontext():
+                    (F.cross_entropy(ddp(x), y) / accum).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return window
 
 
 def load_lesson_10():

@@ -1,13 +1,18 @@
 """Part 2's benchmarks on the transformer recipe (common/transformer.py): what the ranks run.
 
-    fsdp      DDP, FSDP2 ZeRO-3 and FSDP2 ZeRO-2-like (reshard_after_forward=False) on 1 and 2
-              ranks: sequences/s, bytes each rank sends per step (apparatus/comm.py's CommLog),
-              bytes of parameters, gradients and optimizer state it holds (apparatus/sharding.py)
-    tp        tensor parallel on 2 ranks, lesson 17's two implementations (by hand, DTensor),
-              with and without sequence parallel: the collectives of one training step and of
-              one block, counted by apparatus/comm.py's CommLog (DTensor's own and the
-              optimizer step's included) and then replayed alone to time them, beside the
-              time of a whole step and of one unsplit process
+    fsdp      DDP, FSDP2 ZeRO-3 and FSDP2 ZeRO-2-like (reshard_after_forward=False on the
+              blocks; the root at FSDP2's default, as in lesson 15) on 1 and 2 ranks:
+              sequences/s, bytes each rank sends per step (apparatus/comm.py's CommLog), bytes
+              of parameters, gradients and optimizer state it holds (apparatus/sharding.py)
+    tp        tensor parallel on 2 ranks, lesson 17's two implementations (by hand, DTensor's
+              plan as the lesson builds it), with and without sequence parallel: the
+              collectives of one training step and of one block, counted by
+              apparatus/comm.py's CommLog (DTensor's own and the optimizer step's included) and
+              split by phase and block by lesson 17's own report(), then replayed alone to time
+              them, beside the time of a whole step and of one unsplit process
+
+The methods a section compares are timed in turn (bench/measure.py's Ctx.timed_in_turn): one
+repetition of each per round, the order reversed every other round.
     pipeline  lesson 18's four schedules on 2 ranks: time per step beside the idle share the
               schedule's own timeline predicts (lessons/18_pipeline_schedules/pipeline.py)
 
@@ -81,7 +86,7 @@ def batches(rank: int, n: int, count: int = 3, shard: bool = True) -> list:
     return out
 
 
-def plain_step_ms(ctx: Ctx, n: int, steps: int) -> dict:
+def plain_window(steps: int):
     """One process, the whole model, the whole batch: every rank at once, each on its core."""
     model = T.make_model(T.SEED)
     opt = T.make_optimizer(model)
@@ -95,7 +100,12 @@ def plain_step_ms(ctx: Ctx, n: int, steps: int) -> dict:
             loss.backward()
             opt.step()
 
-    return summary([t / steps * 1e3 for t in ctx.timed(window, n)])
+    window()  # warm-up
+    return window
+
+
+def ms_per_step(times: list[float], steps: int) -> dict:
+    return summary([t / steps * 1e3 for t in times])
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,23 +113,27 @@ def plain_step_ms(ctx: Ctx, n: int, steps: int) -> dict:
 # ---------------------------------------------------------------------------------------
 
 def fsdp(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
+    """DDP, ZeRO-3 and ZeRO-2-like, each on its own model, timed in turn (Ctx.timed_in_turn)."""
     from torch.distributed.fsdp import fully_shard
 
-    rows = []
     data = batches(ctx.rank, n)
+    built, windows, comm = {}, {}, {}
     for strategy in cfg["strategies"]:
         model = T.make_model(T.SEED)
         if strategy == "ddp":
             net = DDP(model, gradient_as_bucket_view=True)
             route_ddp_through_python(net)  # PyTorch's allreduce_hook: CommLog sees the buckets
-        else:  # lesson 15: each block one FSDP group, then the root
+        else:  # lesson 15: each block one FSDP group, resharded after forward (ZeRO-3) or not
             mesh = dist.init_device_mesh("cpu", (n,))
-            for module in (*model.blocks, model):
-                fully_shard(module, mesh=mesh, reshard_after_forward=strategy == "fsdp-zero3")
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh, reshard_after_forward=strategy == "fsdp-zero3")
+            # the root (embeddings, last norm, head) at FSDP2's default, as lesson 15 and
+            # torch advise: not resharded after forward, since backward needs it first
+            fully_shard(model, mesh=mesh)
             net = model
         opt = T.make_optimizer(model)
 
-        def train(steps):
+        def train(steps, net=net, opt=opt):
             for s in range(steps):
                 x, y = data[s % len(data)]
                 loss = T.loss_fn(net(x), y)
@@ -131,21 +145,26 @@ def fsdp(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
         log = CommLog()
         with log.recording():  # untimed: counting costs a little
             train(cfg["count_steps"])
-        comm = log.summary(cfg["count_steps"])
-        times = ctx.timed(lambda: train(cfg["steps"]), n)
+        comm[strategy] = log.summary(cfg["count_steps"])
+        built[strategy] = (model, opt)
+        windows[strategy] = lambda train=train: train(cfg["steps"])
+    times, places = ctx.timed_in_turn(windows, n)
+    rows = []
+    for strategy, (model, opt) in built.items():
         held = sharding.held_bytes(model, opt)
         most = torch.tensor([held[k] for k in sharding.KEYS], dtype=torch.float64)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the rank that holds the most
         rows.append({
             "strategy": strategy, "world_size": n, "steps_per_rep": cfg["steps"],
-            "sequences_per_s": summary([cfg["steps"] * T.GLOBAL_BATCH / t for t in times]),
-            "step_ms": summary([t / cfg["steps"] * 1e3 for t in times]),
-            "calls_per_step": comm["calls_per_step"],
-            "sent_bytes_per_step": comm["sent_bytes_per_step"],
+            "sequences_per_s": summary([cfg["steps"] * T.GLOBAL_BATCH / t for t in times[strategy]]),
+            "step_ms": ms_per_step(times[strategy], cfg["steps"]),
+            "timed_in_turn": places[strategy],
+            "calls_per_step": comm[strategy]["calls_per_step"],
+            "sent_bytes_per_step": comm[strategy]["sent_bytes_per_step"],
             "held_bytes": {k: int(v) for k, v in zip(sharding.KEYS, most.tolist())},
         })
-        del net, opt, model, log
-        gc.collect()
+    del built, windows, model, opt, net
+    gc.collect()
     return rows
 
 
@@ -170,22 +189,52 @@ def _replay(calls: list[tuple[str, int]], n: int):
     return plan
 
 
+class _Quiet:
+    """A UI that prints nothing: lesson 17's report() counts for us without printing its table."""
+
+    def print(self, *args, **kwargs):
+        pass
+
+    def table(self, *args, **kwargs):
+        pass
+
+
+AFTER = ("between", "optimizer")  # CommLog's phases after backward: the sum by hand, AdamW's step
+
+
+def _block_replay(block_calls: list, counts: dict) -> list[tuple[str, int]]:
+    """The last block's collectives of one step as (kind, bytes of data): those its modules
+    issued in forward and backward, then its share of the sums after backward and in AdamW's
+    step, as lesson 17's report() counts it (calls of equal size, one per summed parameter)."""
+    calls = [(c.kind, c.data_bytes) for c in block_calls]
+    for phase in AFTER:
+        kinds = counts["per_block"].get(phase, {})
+        total = sum(kinds.values())
+        for kind, k in kinds.items():
+            calls += [(kind, round(counts["data_bytes_per_block"][phase] / total))] * round(k)
+    return calls
+
+
 def tp(ctx: Ctx, n: int, cfg: dict, lesson) -> dict:
-    rows = []
+    """Every variant built, warmed up and counted (lesson 17's own report()), then the steps of
+    all variants and of one unsplit process timed in turn, and so are the replays."""
+    import tensor_parallel as A  # lesson 17's companion (lessons/17_tensor_parallel/)
+
     data = batches(0, 1)  # tensor parallel splits the model, not the data: the whole batch
     last = f".blocks.{T.N_BLOCKS - 1}"
+    found, steps, blocks, wholes = {}, {}, {}, {}
     for impl, sp in cfg["variants"]:
         split = lesson.parallelize_by_hand if impl == "manual" else lesson.parallelize_dtensor
-        model = split(T.make_model(T.SEED), ctx.rank, n, sp)
+        model = split(T.make_model(T.SEED), ctx.rank, n, sp)  # DTensor: lesson 17's plan as is
         opt = T.make_optimizer(model)
         shared = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
-        def step(s):
+        def step(s, model=model, opt=opt, shared=shared):  # lesson 17's Step 4, one batch
             x, y = data[s % len(data)]
             loss = T.loss_fn(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            for p in shared:  # by hand, sequence parallel: lesson 17's Step 4
+            for p in shared:  # by hand, sequence parallel: the sum of lesson 17's Step 4
                 dist.all_reduce(p.grad)
             opt.step()
 
@@ -193,30 +242,44 @@ def tp(ctx: Ctx, n: int, cfg: dict, lesson) -> dict:
         log = CommLog(modules=True)  # one whole step: forward, backward, the sum, AdamW's step
         with log.recording():
             step(1)
-        calls = [(c.kind, c.data_bytes) for c in log.calls]
+        counts = A.report(log, 1, model, _Quiet())  # lesson 17's Step 6, by phase and per block
         block = [c for c in log.calls if any(m.endswith(last) for m in c.modules)]
-        kinds: dict = {}
-        for c in block:
-            kinds[c.kind] = kinds.get(c.kind, 0) + 1
-        times = ctx.timed(lambda: [step(s) for s in range(cfg["steps"])], n)
+        name = _name({"impl": impl, "sequence_parallel": sp})
+        found[name] = (impl, sp, counts, log.calls)
+        steps[name] = lambda step=step: [step(s) for s in range(cfg["steps"])]
         inner = cfg["replay_inner"]
-        block_plan, step_plan = _replay([(c.kind, c.data_bytes) for c in block], n), _replay(calls, n)
-        block_ms = ctx.timed(lambda: [f() for _ in range(inner) for f in block_plan], n)
-        all_ms = ctx.timed(lambda: [f() for _ in range(inner) for f in step_plan], n)
+        block_plan = _replay(_block_replay(block, counts), n)
+        step_plan = _replay([(c.kind, c.data_bytes) for c in log.calls], n)
+        blocks[name] = lambda plan=block_plan: [f() for _ in range(inner) for f in plan]
+        wholes[name] = lambda plan=step_plan: [f() for _ in range(inner) for f in plan]
+    plain = plain_window(cfg["steps"])
+    step_s, places = ctx.timed_in_turn({**steps, "plain": plain}, n)
+    block_s, _ = ctx.timed_in_turn(blocks, n)
+    whole_s, _ = ctx.timed_in_turn(wholes, n)
+    rows = []
+    for name, (impl, sp, counts, calls) in found.items():
+        per_block = {p: counts["per_block"].get(p, {}) for p in ("forward", "backward")}
+        per_block["after"] = {k: v for p in AFTER for k, v in counts["per_block"].get(p, {}).items()}
+        sent = {p: counts["sent_bytes_per_block"].get(p, 0.0) for p in ("forward", "backward")}
+        sent["after"] = sum(counts["sent_bytes_per_block"].get(p, 0.0) for p in AFTER)
         rows.append({
             "impl": impl, "sequence_parallel": sp, "world_size": n,
-            "block_calls": dict(sorted(kinds.items())),
-            "block_data_bytes": sum(c.data_bytes for c in block),
-            "block_sent_bytes": sum(c.sent_bytes for c in block),
+            # lesson 17's per_block: its modules' calls, and its share of the sums after them
+            "block_calls": {p: {k: round(v, 3) for k, v in sorted(c.items())}
+                            for p, c in per_block.items()},
+            "block_after_in": [p for p in AFTER if counts["per_block"].get(p)],
+            "block_sent_bytes_by_phase": sent,
+            "block_sent_bytes": sum(sent.values()),
             "step_calls": len(calls),
-            "step_sent_bytes": sum(c.sent_bytes for c in log.calls),
-            "step_ms": summary([t / cfg["steps"] * 1e3 for t in times]),
-            "block_comm_ms": summary([t / inner * 1e3 for t in block_ms]),
-            "step_comm_ms": summary([t / inner * 1e3 for t in all_ms]),
+            "step_sent_bytes": counts["sent_bytes_per_step"],
+            "step_ms": ms_per_step(step_s[name], cfg["steps"]),
+            "timed_in_turn": places[name],
+            "block_comm_ms": summary([t / cfg["replay_inner"] * 1e3 for t in block_s[name]]),
+            "step_comm_ms": summary([t / cfg["replay_inner"] * 1e3 for t in whole_s[name]]),
         })
-        del model, opt, shared, log
-        gc.collect()
-    return {"rows": rows, "plain_step_ms": plain_step_ms(ctx, n, cfg["steps"])}
+    del found, steps, blocks, wholes, plain
+    gc.collect()
+    return {"rows": rows, "plain_step_ms": ms_per_step(step_s["plain"], cfg["steps"])}
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,9 +287,11 @@ def tp(ctx: Ctx, n: int, cfg: dict, lesson) -> dict:
 # ---------------------------------------------------------------------------------------
 
 def pipeline(ctx: Ctx, n: int, cfg: dict, lesson) -> dict:
-    rows = []
+    """Every schedule built and run once (its actions, and the warm-up), then all of them and
+    one unsplit process timed in turn (Ctx.timed_in_turn)."""
     data = batches(0, 1)
     m = cfg["microbatches"]
+    found, windows = {}, {}
     for name in cfg["schedules"]:
         model = T.make_model(T.SEED)
         sched, stages, parts = lesson.build_pipeline(name, model, ctx.rank, n, m, torch.device("cpu"))
@@ -236,26 +301,30 @@ def pipeline(ctx: Ctx, n: int, cfg: dict, lesson) -> dict:
             sched.step(x, target=y)
         every: list = [None] * n
         dist.all_gather_object(every, rec.actions)
-        predicted = idle_fraction(timeline(dict(enumerate(every))))
+        found[name] = (len(stages) * n, idle_fraction(timeline(dict(enumerate(every)))))
 
-        def window():
+        def window(sched=sched, opt=opt):
             for s in range(cfg["steps"]):
                 xs, ys = data[s % len(data)]
                 opt.zero_grad(set_to_none=True)
                 sched.step(xs, target=ys)
                 opt.step()
 
-        times = ctx.timed(window, n)
+        windows[name] = window
+    times, places = ctx.timed_in_turn({**windows, "plain": plain_window(cfg["steps"])}, n)
+    plain = ms_per_step(times["plain"], cfg["steps"])
+    rows = []
+    for name, (stages, predicted) in found.items():
+        step_ms = ms_per_step(times[name], cfg["steps"])
         rows.append({"schedule": name, "world_size": n, "microbatches": m,
-                     "stages": len(stages) * n, "predicted_idle": round(predicted, 4),
+                     "stages": stages, "predicted_idle": round(predicted, 4),
                      "formula_idle": (round(bubble_formula(n, m), 4)
                                       if name in ("gpipe", "1f1b") else None),
-                     "step_ms": summary([t / cfg["steps"] * 1e3 for t in times])})
-        del sched, stages, parts, opt, model
-        gc.collect()
-    plain = plain_step_ms(ctx, n, cfg["steps"])
-    for r in rows:  # idle share if the ranks had split one process's work perfectly
-        r["measured_idle"] = round(1 - plain["median"] / (n * r["step_ms"]["median"]), 4)
+                     "step_ms": step_ms, "timed_in_turn": places[name],
+                     # idle share if the ranks had split one process's work perfectly
+                     "measured_idle": round(1 - plain["median"] / (n * step_ms["median"]), 4)})
+    del windows
+    gc.collect()
     return {"rows": rows, "plain_step_ms": plain}
 
 
@@ -325,15 +394,26 @@ def fsdp_table(sec: dict):
              "KiB sent/step", "KiB params", "KiB grads", "KiB optimizer"], rows)
 
 
+def _calls(kinds: dict) -> str:
+    return ", ".join(f"{n:g} {k}" for k, n in kinds.items()) or "-"
+
+
 def tp_table(sec: dict):
-    rows = [[r["impl"] + (" + SP" if r["sequence_parallel"] else ""),
-             ", ".join(f"{n} {k}" for k, n in r["block_calls"].items()),
-             _kib(r["block_sent_bytes"]), _ms(r["block_comm_ms"]), _ms(r["step_comm_ms"]),
-             _ms(r["step_ms"])] for r in sec["rows"]]
-    rows.append(["one process, whole model", "-", "-", "-", "-", _ms(sec["plain_step_ms"])])
+    where = {"between": "sum", "optimizer": "AdamW's step"}
+    rows = []
+    for r in sec["rows"]:
+        calls, sent = r["block_calls"], r["block_sent_bytes_by_phase"]
+        after = _calls(calls["after"])
+        if calls["after"]:
+            after += f" ({', '.join(where[p] for p in r['block_after_in'])})"
+        rows.append([_name(r), f"{_calls(calls['forward'])} / {_calls(calls['backward'])} / {after}",
+                     *(f"{sent[p]:,.0f}" for p in ("forward", "backward", "after")),
+                     _ms(r["block_comm_ms"]), _ms(r["step_comm_ms"]), _ms(r["step_ms"])])
+    rows.append(["one process, whole model", "-", "-", "-", "-", "-", "-", _ms(sec["plain_step_ms"])])
     return ("Tensor parallel on 2 ranks (CPU, gloo): collectives per block and per step",
-            ["variant", "calls per block", "KiB sent per block", "block's collectives ms",
-             "step's collectives ms", "step ms (min-max)"], rows)
+            ["variant", "calls per block: forward / backward / after backward",
+             "bytes sent per block: forward", "backward", "after backward",
+             "block's collectives ms", "step's collectives ms", "step ms (min-max)"], rows)
 
 
 def pipeline_table(sec: dict):
@@ -382,10 +462,12 @@ def fsdp_lines(sec: dict) -> list[str]:
         s3 = z3["sent_bytes_per_step"] / ddp2["sent_bytes_per_step"]
         if s3 > 1.05:
             out.append(L(f"* Bytes: ZeRO-3 sent {s3:.2f}x DDP's bytes per step: it all-gathers "
-                         f"the parameters for forward, again for backward, and reduce-scatters "
+                         f"the blocks' parameters for forward, again for backward (the root's "
+                         f"only once: it is not resharded after forward), and reduce-scatters "
                          f"the gradients, where DDP only all-reduces the gradients.",
-                         f"* 字节：ZeRO-3 每步发送的字节是 DDP 的 {s3:.2f} 倍：它为前向收集一次参数，"
-                         f"为反向再收集一次，再对梯度做规约-散播；DDP 只对梯度做全局规约。"))
+                         f"* 字节：ZeRO-3 每步发送的字节是 DDP 的 {s3:.2f} 倍：它为前向收集一次各块的参数，"
+                         f"为反向再收集一次（根模块的参数只收集一次：前向之后不再切分），再对梯度做规约-散播；"
+                         f"DDP 只对梯度做全局规约。"))
         elif s3 >= 0.95:
             out.append(L(f"* Bytes: ZeRO-3 sent {s3:.2f}x DDP's bytes per step: about the same.",
                          f"* 字节：ZeRO-3 每步发送的字节是 DDP 的 {s3:.2f} 倍：大致相同。"))
@@ -475,18 +557,57 @@ def tp_lines(sec: dict) -> list[str]:
                   "在这里把层切到 2 个秩上是划算的。")
     out.append(line)
     by = {(r["impl"], r["sequence_parallel"]): r for r in rows}
+    both_ways = lambda r: r["block_sent_bytes_by_phase"]["forward"] + r["block_sent_bytes_by_phase"]["backward"]  # noqa: E731
+    for sp in (False, True):
+        hand, dt = by.get(("manual", sp)), by.get(("dtensor", sp))
+        if not (hand and dt and both_ways(hand)):
+            continue
+        h, d = hand["block_sent_bytes_by_phase"], dt["block_sent_bytes_by_phase"]
+        with_sp = L(" with sequence parallel", "（使用序列并行）") if sp else ""
+        if all(abs(d[p] - h[p]) <= 0.01 * h[p] for p in ("forward", "backward")):
+            out.append(L(f"* DTensor's plan{with_sp} sent what the by-hand plan sent per block: "
+                         f"{h['forward']:,.0f} bytes in forward and {h['backward']:,.0f} in "
+                         f"backward. The same split of the same layers needs the same "
+                         f"collectives, whichever code issues them.",
+                         f"* DTensor 的方案{with_sp}每个块发送的字节与手写方案相同：前向 {h['forward']:,.0f} "
+                         f"字节，反向 {h['backward']:,.0f} 字节。同样的层、同样的切分，需要的集合通信也相同，"
+                         f"无论由哪段代码发起。"))
+        else:
+            out.append(L(f"* DTensor's plan{with_sp} sent {d['forward'] / max(h['forward'], 1):.2f}x "
+                         f"the by-hand plan's bytes per block in forward and "
+                         f"{d['backward'] / max(h['backward'], 1):.2f}x in backward.",
+                         f"* DTensor 的方案{with_sp}每个块在前向发送的字节是手写方案的 "
+                         f"{d['forward'] / max(h['forward'], 1):.2f} 倍，在反向是 "
+                         f"{d['backward'] / max(h['backward'], 1):.2f} 倍。"))
+        k_h, k_d = sum(hand["block_calls"]["after"].values()), sum(dt["block_calls"]["after"].values())
+        if bool(k_h) != bool(k_d):
+            out.append(L(f"* After backward{with_sp}: by hand {k_h:g} all-reduces per block "
+                         f"({h['after']:,.0f} bytes), DTensor {k_d:g} ({d['after']:,.0f} bytes).",
+                         f"* 反向之后{with_sp}：手写方案每个块 {k_h:g} 次全局规约（{h['after']:,.0f} 字节），"
+                         f"DTensor {k_d:g} 次（{d['after']:,.0f} 字节）。"))
+        elif k_h and k_d:
+            out.append(L(f"* After backward{with_sp}: by hand, {k_h:g} small all-reduces per block "
+                         f"sum the gradients of the parameters whole on every rank (lesson 17, "
+                         f"Step 4), {h['after']:,.0f} bytes; DTensor leaves the LayerNorms' gradients "
+                         f"Partial (a sum still to do) and sums them inside AdamW's step, {k_d:g} "
+                         f"calls, {d['after']:,.0f} bytes (lesson 17, Step 6: a Partial gradient "
+                         f"is summed each time the step reads it). Few bytes either way.",
+                         f"* 反向之后{with_sp}：手写方案每个块用 {k_h:g} 次小的全局规约，对每个秩上都完整保存的"
+                         f"参数的梯度求和（第 17 课第 4 步），{h['after']:,.0f} 字节；DTensor 让各 LayerNorm 的梯度保持 "
+                         f"Partial（还有一次求和没做），在 AdamW 的更新步中才求和，{k_d:g} 次调用，{d['after']:,.0f} 字节"
+                         f"（第 17 课第 6 步：更新步每读取一次 Partial 梯度就求和一次）。两种做法的字节都很少。"))
     for impl in ("manual", "dtensor"):
         tp_row, sp_row = by.get((impl, False)), by.get((impl, True))
-        if tp_row and sp_row and tp_row["block_sent_bytes"]:
-            x = sp_row["block_sent_bytes"] / tp_row["block_sent_bytes"]
+        if tp_row and sp_row and both_ways(tp_row):
+            x = both_ways(sp_row) / both_ways(tp_row)
             same = abs(x - 1) < 0.02
             out.append(L(f"* {impl}: with sequence parallel a block sent {x:.2f}x the bytes of "
-                         f"plain tensor parallel"
+                         f"plain tensor parallel in forward and backward"
                          + (" (a reduce-scatter plus an all-gather moves what one all-reduce "
                             "moves)" if same else "")
                          + f"; its collectives took a time "
                          f"{compare(sp_row['block_comm_ms'], tp_row['block_comm_ms'], 'plain TP')}.",
-                         f"* {impl}：使用序列并行时，一个块发送的字节是普通张量并行的 {x:.2f} 倍"
+                         f"* {impl}：使用序列并行时，一个块在前向和反向发送的字节是普通张量并行的 {x:.2f} 倍"
                          + ("（一次规约-散播加一次全收集，传输量与一次全局规约相同）" if same else "")
                          + f"；它的集合通信所用时间"
                          f"{compare(sp_row['block_comm_ms'], tp_row['block_comm_ms'], '普通张量并行')}。"))
@@ -571,16 +692,21 @@ def sections(b: dict) -> list[str]:
         out += [L("## 6. FSDP2 vs DDP on the transformer", "## 6. Transformer 上的 FSDP2 与 DDP"), "",
                 L(f"Lesson 15: the Part 2 recipe ({m['blocks']} blocks, width {m['dim']}, "
                   f"{m['params']:,} parameters, global batch {m['global_batch']} sequences of "
-                  f"{m['seq']} tokens) trained with DDP, with FSDP2's "
-                  f"[`fully_shard`]({API}/distributed.fsdp.fully_shard.html) on every block and "
-                  f"the root (ZeRO-3), and with `reshard_after_forward=False` (ZeRO-2-like), on "
-                  f"1 and 2 ranks. Bytes sent are counted per call by lesson 14's CommLog "
+                  f"{m['seq']} tokens) trained with DDP and with FSDP2's "
+                  f"[`fully_shard`]({API}/distributed.fsdp.fully_shard.html) on every block, "
+                  f"resharded after forward (ZeRO-3) or not (`reshard_after_forward=False`, "
+                  f"ZeRO-2-like), on 1 and 2 ranks. As in lesson 15, the root (embeddings, last "
+                  f"norm, head) gets `fully_shard` at its default, as torch advises: a root is "
+                  f"not resharded after forward, because backward needs it first, so its "
+                  f"parameters are gathered once per step. Bytes sent are counted per call by lesson 14's CommLog "
                   f"(apparatus/comm.py, ring formulas); bytes held are read from each rank's own "
                   f"tensors (apparatus/sharding.py), the largest over the ranks.",
                   f"第 15 课：Part 2 的配方模型（{m['blocks']} 个块，宽度 {m['dim']}，{m['params']:,} 个参数，"
-                  f"全局批次 {m['global_batch']} 条、每条 {m['seq']} 个词元的序列），分别用 DDP、在每个块和根模块上"
-                  f"调用 FSDP2 的 [`fully_shard`]({API}/distributed.fsdp.fully_shard.html)（ZeRO-3），以及 "
-                  f"`reshard_after_forward=False`（类 ZeRO-2）在 1 个和 2 个秩上训练。发送的字节由第 14 课的 "
+                  f"全局批次 {m['global_batch']} 条、每条 {m['seq']} 个词元的序列），分别用 DDP，以及在每个块上"
+                  f"调用 FSDP2 的 [`fully_shard`]({API}/distributed.fsdp.fully_shard.html)、前向之后重新切分"
+                  f"（ZeRO-3）或不切分（`reshard_after_forward=False`，类 ZeRO-2），在 1 个和 2 个秩上训练。"
+                  f"与第 15 课一样，根模块（嵌入、最后的归一化层、输出头）按 torch 的建议以默认参数调用 "
+                  f"`fully_shard`：根模块在前向之后不重新切分，因为反向一开始就要用到它，所以它的参数每步只收集一次。发送的字节由第 14 课的 "
                   f"CommLog（apparatus/comm.py，环形公式）逐次调用计数；持有的字节从每个秩自己的张量读出"
                   f"（apparatus/sharding.py），取各秩中的最大值。"), "",
                 md_table(*fsdp_table(sec)), L(*TEACHES), ""] + fsdp_lines(sec) + [""]
@@ -588,18 +714,28 @@ def sections(b: dict) -> list[str]:
         sec = b["tp"]
         out += [L("## 7. Tensor parallel: the cost of its collectives", "## 7. 张量并行：集合通信的代价"), "",
                 L("Lesson 17's split of every block on 2 ranks, by hand and with DTensor's "
-                  f"[`parallelize_module`]({API}/distributed.tensor.parallel.html), with and "
-                  "without sequence parallel (SP). apparatus/comm.py's CommLog counts every "
-                  "collective of one training step (DTensor's own and the optimizer step's "
-                  "included) and the block it serves; the collectives of "
-                  "one block, and of the whole step, are then replayed alone with "
-                  "`torch.distributed` calls of the same kinds and sizes, and timed. Beside them: "
-                  "a whole step, and one process training the whole model on the whole batch.",
+                  f"[`parallelize_module`]({API}/distributed.tensor.parallel.html) (the lesson's "
+                  "plan as it is: one `PrepareModuleInput` with `use_local_output=False` per "
+                  "sublayer, so q, k and v share one input and its gradient is summed once), "
+                  "with and without sequence parallel (SP). apparatus/comm.py's CommLog counts "
+                  "every collective of one training step, DTensor's own and the optimizer "
+                  "step's included, and lesson 17's own count (its Step 6) gives the last "
+                  "block's: what its modules issue in forward and in backward, and its share of "
+                  "the small sums after backward (by hand: lesson 17's Step 4; DTensor: inside "
+                  "AdamW's step). The collectives of one block, and of the whole step, are then "
+                  "replayed alone with `torch.distributed` calls of the same kinds and sizes, "
+                  "and timed. Beside them: a whole step, and one process training the whole "
+                  "model on the whole batch; the variants' steps and that process are timed in "
+                  "turn, one repetition of each per round.",
                   "第 17 课在 2 个秩上切分每个块，分别用手写方式和 DTensor 的 "
-                  f"[`parallelize_module`]({API}/distributed.tensor.parallel.html)，并分别开启和不开启序列并行（SP）。"
-                  "apparatus/comm.py 的 CommLog 统计一个训练步中的每次集合通信（包括 DTensor 自己发起的和优化器步骤中的）及其所属的块；然后用同样种类和"
-                  "大小的 `torch.distributed` 调用单独重放一个块的、以及整步的集合通信并计时。旁边列出完整一步"
-                  "的时间，以及单个进程用整个批次训练整个模型的时间。"), "",
+                  f"[`parallelize_module`]({API}/distributed.tensor.parallel.html)（即课上的方案：每个子层一个 "
+                  "`use_local_output=False` 的 `PrepareModuleInput`，q、k、v 共用一个输入，它的梯度只求和一次），"
+                  "并分别开启和不开启序列并行（SP）。apparatus/comm.py 的 CommLog 统计一个训练步中的每次集合通信，"
+                  "包括 DTensor 自己发起的和优化器步骤中的；第 17 课自己的计数（它的第 6 步）给出最后一个块的部分："
+                  "它的模块在前向和反向中发起的集合通信，以及它在反向之后那些小求和中所占的份额（手写：第 17 课第 4 步；"
+                  "DTensor：在 AdamW 的更新步中）。然后用同样种类和大小的 `torch.distributed` 调用单独重放一个块的、"
+                  "以及整步的集合通信并计时。旁边列出完整一步的时间，以及单个进程用整个批次训练整个模型的时间；"
+                  "各变体的一步和这个单进程轮流计时，每轮各重复一次。"), "",
                 md_table(*tp_table(sec)), L(*TEACHES), ""] + tp_lines(sec) + [""]
     if "pipeline" in b:
         sec = b["pipeline"]

@@ -168,6 +168,36 @@ def test_no_sync_saves_calls(quick):
             assert r["rank_spread"] == 0.0
         assert quiet["saved_fraction"] == pytest.approx(
             1 - quiet["step_ms"]["median"] / naive["step_ms"]["median"], abs=1e-3)
+        # the two were timed in turn: A B, B A, A B (each repetition's place in the order run)
+        assert naive["timed_in_turn"] == [0, 3, 4] and quiet["timed_in_turn"] == [1, 2, 5]
+    # so were the bucket settings: one repetition of each per round, every round complete
+    rows = res["benchmarks"]["bucketing"]["rows"]
+    places = sorted(p for r in rows for p in r["timed_in_turn"])
+    assert places == list(range(3 * len(rows)))
+    assert all(r * len(rows) <= p < (r + 1) * len(rows)
+               for row in rows for r, p in enumerate(row["timed_in_turn"]))
+
+
+def test_methods_are_timed_in_turn():
+    """in_turn() runs one repetition of each method per round, the order reversed every other
+    round, and gives each method its own clock readings (a fake clock records the calls)."""
+    from bench import measure
+
+    ran = []
+    windows = {"naive": lambda: ran.append("naive"), "no_sync": lambda: ran.append("no_sync")}
+
+    def clock(window):  # a fake timer: runs the window, reads 1.0, 2.0, 3.0, ...
+        window()
+        return float(len(ran))
+
+    got = measure.in_turn(windows, 4, clock)
+    assert ran == ["naive", "no_sync", "no_sync", "naive", "naive", "no_sync", "no_sync", "naive"]
+    assert got.times == {"naive": [1.0, 4.0, 5.0, 8.0], "no_sync": [2.0, 3.0, 6.0, 7.0]}
+    assert got.places == {"naive": [0, 3, 4, 7], "no_sync": [1, 2, 5, 6]}
+    ran.clear()
+    three = {k: (lambda k=k: ran.append(k)) for k in "abc"}
+    measure.in_turn(three, 2, clock)
+    assert ran == ["a", "b", "c", "c", "b", "a"]
 
 
 def test_gpu_section_says_what_happened(quick):
@@ -441,6 +471,42 @@ def test_no_sync_and_allreduce_sentences_follow_the_data():
     assert "follows communication's share" in en and "取决于通信在一步中所占的比例" in zh
     en, zh = both(doc.no_sync_lines, no_sync((10, 8), (100, 50)))
     assert "does not show the saving following" in en and "没有显示出" in zh
+    # no_sync slower on the wide model, beyond the spread: the words follow the sign
+    en, zh = both(doc.no_sync_lines, no_sync((10, 5), (141, 181)))
+    assert "cost 28% more time" in en and "多花了 28%" in zh
+    assert "saved -" not in en and "-28%" not in en and "省下了 -" not in zh
+    assert "does not explain" in en and "重新运行" in zh
+
+
+def test_no_sync_saving_follows_the_sign():
+    """The sentence for no_sync's effect: saved, cost more, or no difference within the
+    repetitions' spread (the noise), in English and in Chinese."""
+    from bench import doc
+    from bench.words import LANG
+
+    def words(naive: dict, quiet: dict) -> tuple[str, str]:
+        out = []
+        for lang in ("en", "zh"):
+            LANG.current = lang
+            try:
+                out.append(doc.saving(*doc.saving_range({"step_ms": naive}, {"step_ms": quiet})))
+            finally:
+                LANG.current = "en"
+        return out[0], out[1]
+
+    assert words(stat(100), stat(50)) == ("saved 50% of the time", "省下了 50% 的时间")
+    assert words(stat(141), stat(181)) == ("cost 28% more time", "反而多花了 28% 的时间")
+    en, zh = words(stat(100, spread=0.1), stat(95, spread=0.1))  # spreads overlap: noise
+    assert en == "made no measurable difference (the medians differ by 5%, inside the repetitions' spread)"
+    assert zh.startswith("没有带来可测量的差别") and "5%" in zh
+    en, _ = words(stat(100, spread=0.1), stat(105, spread=0.1))  # slower, within the noise
+    assert en.startswith("made no measurable difference") and "more" not in en
+    # the saving's range: least and most it could have been over the repetitions
+    f, lo, hi = doc.saving_range({"step_ms": stat(100)}, {"step_ms": stat(50)})
+    assert f == pytest.approx(0.5) and lo == pytest.approx(1 - 51 / 98) and hi == pytest.approx(1 - 49 / 102)
+    from bench.report import time_change
+    assert (time_change(0.51), time_change(-0.28), time_change(0.0), time_change(None)) == \
+        ("-51%", "+28%", "+0%", "-")
 
     def allreduce(ring_ms: float, server_small: float) -> dict:
         rows = []
@@ -483,7 +549,12 @@ def test_part2_measures_bytes_exactly(quick):
     for r in rows.values():
         check_summary(r["sequences_per_s"], 3)
     assert rows["ddp", 2]["sent_bytes_per_step"] == params
-    assert rows["fsdp-zero3", 2]["sent_bytes_per_step"] == 1.5 * params
+    # ZeRO-3: the blocks' parameters gathered twice (forward, backward) and their gradients
+    # reduce-scattered, 1.5x their bytes on 2 ranks; the root at its default, not resharded
+    # after forward: gathered once, 1x (lesson 15)
+    from common import transformer as T
+    blocks = sum(p.numel() for p in T.make_model(T.SEED).blocks.parameters()) * 4
+    assert rows["fsdp-zero3", 2]["sent_bytes_per_step"] == 1.5 * blocks + (params - blocks)
     assert rows["fsdp-zero2", 2]["sent_bytes_per_step"] == params
     for s in ("ddp", "fsdp-zero3", "fsdp-zero2"):
         assert rows[s, 1]["sent_bytes_per_step"] == 0  # a world of one sends nothing
@@ -493,6 +564,14 @@ def test_part2_measures_bytes_exactly(quick):
                                                    "optimizer_state": params}
     tp = b["tp"]["rows"]
     assert tp and all(r["block_sent_bytes"] > 0 and r["step_calls"] > 0 for r in tp)
+    # lesson 17's count: per block 2 collectives' worth of one (batch, seq, dim) activation
+    # each way, by hand and with sequence parallel alike (786,432 bytes on 2 ranks)
+    activation = T.GLOBAL_BATCH * T.SEQ * T.DIM * 4
+    for r in tp:
+        sent = r["block_sent_bytes_by_phase"]
+        assert sent["forward"] == sent["backward"] == 2 * activation == 786_432, r
+        if r["impl"] == "manual" and r["sequence_parallel"]:  # the sum of lesson 17's Step 4
+            assert r["block_after_in"] == ["between"] and r["block_calls"]["after"]["all_reduce"] > 0
     check_summary(b["tp"]["plain_step_ms"], 3)
     pipe = {r["schedule"]: r for r in b["pipeline"]["rows"]}
     assert pipe["gpipe"]["predicted_idle"] == pipe["gpipe"]["formula_idle"] == 0.2  # (2-1)/(4+2-1)
@@ -544,11 +623,19 @@ def test_part2_fsdp_sentences_follow_the_data():
 def test_part2_tp_and_pipeline_sentences_follow_the_data():
     from bench import part2
 
+    def tp_row(impl: str, sp: bool, both_ways: float, step: float, comm: float,
+               after: tuple = (0, 0.0), where: str = "between") -> dict:
+        calls = {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2},
+                 "after": {"all_reduce": after[0]} if after[0] else {}}
+        return {"impl": impl, "sequence_parallel": sp, "block_calls": calls,
+                "block_after_in": [where] if after[0] else [],
+                "block_sent_bytes_by_phase": {"forward": both_ways / 2, "backward": both_ways / 2,
+                                              "after": after[1]},
+                "block_sent_bytes": both_ways + after[1], "step_ms": stat(step),
+                "step_comm_ms": stat(comm), "block_comm_ms": stat(comm / 2 * (1.5 if sp else 1))}
+
     def tp_sec(step: float, comm: float, plain: float, sp_bytes: float = 100.0) -> dict:
-        rows = [{"impl": "manual", "sequence_parallel": sp, "block_calls": {},
-                 "block_sent_bytes": sp_bytes if sp else 100.0, "step_ms": stat(step),
-                 "step_comm_ms": stat(comm), "block_comm_ms": stat(comm / 2 * (1.5 if sp else 1))}
-                for sp in (False, True)]
+        rows = [tp_row("manual", sp, sp_bytes if sp else 100.0, step, comm) for sp in (False, True)]
         return {"rows": rows, "plain_step_ms": stat(plain), "model": {"dim": 64}}
 
     en, zh = both(part2.tp_lines, tp_sec(100, 70, 50))
@@ -559,6 +646,24 @@ def test_part2_tp_and_pipeline_sentences_follow_the_data():
     en, zh = both(part2.tp_lines, tp_sec(40, 10, 100, sp_bytes=50))
     assert "less than half" in en and "paid off" in en and "划算" in zh
     assert "0.50x the bytes" in en and "all-reduce moves" not in en
+    # DTensor against by hand: the same bytes are said to be the same, and the sums after
+    # backward (by hand: once; DTensor: in AdamW's step) are counted, not explained away
+    rows = [tp_row("manual", False, 1_572_864, 40, 10), tp_row("dtensor", False, 1_572_864, 80, 20),
+            tp_row("manual", True, 1_572_864, 90, 50, (6, 1_536.0)),
+            tp_row("dtensor", True, 1_572_864, 190, 30, (12, 3_072.0), "optimizer")]
+    sec = {"rows": rows, "plain_step_ms": stat(35), "model": {"dim": 64}}
+    en, zh = both(part2.tp_lines, sec)
+    assert "DTensor's plan sent what the by-hand plan sent per block: 786,432 bytes in forward " \
+           "and 786,432 in backward" in en
+    assert "DTensor's plan with sequence parallel sent what the by-hand plan sent" in en
+    assert "6 small all-reduces per block" in en and "12 calls, 3,072 bytes" in en
+    assert "DTensor 的方案每个块发送的字节与手写方案相同" in zh
+    table = part2.tp_table(sec)
+    assert table[2][2][1] == "2 all_reduce / 2 all_reduce / 6 all_reduce (sum)"
+    assert table[2][3][1] == "2 all_reduce / 2 all_reduce / 12 all_reduce (AdamW's step)"
+    rows[1] = tp_row("dtensor", False, 2 * 1_572_864, 80, 20)  # were DTensor to send more
+    en, _ = both(part2.tp_lines, sec)
+    assert "DTensor's plan sent 2.00x the by-hand plan's bytes per block in forward" in en
 
     def pipe_sec(times: dict, measured: dict, plain: float = 150.0) -> dict:
         pred = {"gpipe": 0.2, "1f1b": 0.2, "interleaved": 0.11, "zero-bubble": 0.04}
