@@ -6,14 +6,19 @@
 * SavedTensors: a context manager around a forward pass that records every tensor autograd
   saves for backward (torch.autograd.graph.saved_tensors_hooks), each storage once, without
   the parameters themselves: that is what "activation memory" means.
+* StepPeak: torch's MemTracker (FSDPMemTracker for an FSDP2 model) around one training
+  step, and report_peak: that step's peak beside what the process holds at rest, every
+  rank's (lessons 13, 14 and 16; lesson 15's StepRecorder does the same beside its CommLog).
 * seconds(fn): the median wall time of a few calls of fn.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -86,6 +91,81 @@ class SavedTensors:
     @property
     def weight_copy_bytes(self) -> int:
         return sum(n for n, copy in self._seen.values() if copy)
+
+
+class StepPeak:
+    """peak = StepPeak(model, optimizer, step); for s in steps: peak.at(s); ...; peak.stop()
+    ->  peak.bytes, peak.breakdown  (or `with StepPeak(...) as peak:`, which stops at its end)
+
+    torch's MemTracker (torch/distributed/_tools/mem_tracker.py) is a TorchDispatchMode: it
+    sees every tensor an op makes and frees, and keeps the highest total it saw. It follows
+    training step `step` (0-based), from at(step) to the next at() or stop(): forward,
+    backward and the optimizer step. It slows every op it watches, so one step only.
+    What exists before the step (the weights, last step's gradients, AdamW's state) is
+    registered first. An FSDP2 model gets FSDPMemTracker, which registers its own sharded
+    state and also sees the all-gather and reduce-scatter buffers.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int):
+        self.model, self.step = model, step
+        self.optimizer = getattr(optimizer, "optim", optimizer)  # ZeRO-1's: the inner one holds the state
+        self.stack, self.tracker = contextlib.ExitStack(), None
+
+    def at(self, step: int) -> None:
+        """Stop following the previous step; follow this one if it is the chosen one."""
+        self.stack.close()
+        if step != self.step:
+            return
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        if hasattr(self.model, "reshard"):  # an FSDPModule: it registers its own state
+            self.tracker = FSDPMemTracker(self.model, self.optimizer)
+        else:
+            self.tracker = MemTracker()
+            self.tracker.track_external(self.model, self.optimizer)
+        self.stack.enter_context(self.tracker)
+
+    def stop(self) -> None:
+        """Stop following (after the loop: the followed step is usually the last)."""
+        self.stack.close()
+
+    def __enter__(self) -> "StepPeak":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        """Bytes by kind at the peak ("PARAM", "GRAD", "OPT", "ACT", "TEMP", ..., "Total")."""
+        return {str(kind).split(".")[-1]: n for snap in self.tracker.get_tracker_snapshot("peak").values()
+                for kind, n in snap.items()}
+
+    @property
+    def bytes(self) -> int:
+        return self.breakdown["Total"]
+
+
+def report_peak(ui, peak: StepPeak, at_rest: int) -> dict:
+    """The peak of the followed step beside `at_rest` (what the process holds between steps):
+    one line in a world of one; under torch.distributed, every rank's, gathered to rank 0
+    (a collective: every rank calls it), one table row each. The metrics.json keys."""
+    mine = (peak.bytes, at_rest, peak.breakdown.get("ACT", 0))
+    out = {"peak_memory_bytes": mine[0], "peak_memory_step": peak.step + 1,
+           "peak_memory_breakdown": peak.breakdown, "at_rest_bytes": at_rest}
+    if not (dist.is_available() and dist.is_initialized()):
+        ui.print(f"peak of training step {peak.step + 1} (torch's MemTracker): {mine[0]:,} bytes, "
+                 f"{mine[0] / at_rest:.1f}x the {at_rest:,} held at rest; {mine[2]:,} of it activations")
+        return out
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    ui.table(f"Peak of training step {peak.step + 1}, per rank (torch's {type(peak.tracker).__name__})",
+             ["rank", "held at rest", "peak in the step", "peak / at rest", "of it: activations"],
+             [[r, f"{rest:,}", f"{top:,}", f"{top / rest:.1f}x", f"{act:,}"]
+              for r, (top, rest, act) in enumerate(everyone)])
+    return {**out, "peak_memory_bytes_all": [e[0] for e in everyone],
+            "at_rest_bytes_all": [e[1] for e in everyone]}
 
 
 def seconds(fn, repeats: int = 5) -> float:

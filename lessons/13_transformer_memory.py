@@ -5,8 +5,9 @@ transformer trained with AdamW on token sequences from a Markov chain whose best
 loss is known (common/transformer.py). This run is the baseline: lessons 14-20 train the
 same model in parallel and must end with these weights. Then we count the memory, because
 that is why anyone shards a model: parameters, gradients and AdamW state beside the formula
-(4 + 4 + 8 bytes per parameter), the activations autograd saves for backward, and two ways to
-shrink those: activation checkpointing per block and bf16 autocast.
+(4 + 4 + 8 bytes per parameter), the peak of one training step beside them (torch's
+MemTracker), the activations autograd saves for backward, and two ways to shrink those:
+activation checkpointing per block and bf16 autocast.
 
 Run:
     make lesson-13
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import co
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from apparatus.memory import SavedTensors, formula_bytes, mib, seconds, state_bytes
+from apparatus.memory import SavedTensors, StepPeak, formula_bytes, mib, report_peak, seconds, state_bytes
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import pick_device
@@ -88,12 +89,15 @@ def main() -> None:
 
     # Step 4: Train
     # The same loop as lesson 01, with a new batch every step instead of epochs.
+    # torch's MemTracker follows the last step (apparatus/memory.py): its peak is in Step 6.
     ui.step(4, "Train")
     losses: list[float] = []
     timer = Timer()
     log_every = max(1, args.steps // 5)
+    peak = StepPeak(model, optimizer, args.steps - 1)  # slows the ops it sees: one step only
     with ui.progress(args.steps, "training") as bar:
         for step in range(args.steps):
+            peak.at(step)
             x, y = T.batch(step, args.seed)
             x, y = x.to(device), y.to(device)
             loss = T.loss_fn(model(x), y)
@@ -105,6 +109,7 @@ def main() -> None:
             if (step + 1) % log_every == 0:
                 ui.print(f"step {step + 1:>4}/{args.steps} | loss {loss.item():.4f} | "
                          f"{timer.rate((step + 1) * x.numel()):>9,.0f} tokens/s")
+    peak.stop()  # the tracker leaves the ops alone again
     wall = timer.seconds
     final_state = plain_state_dict(model)  # what we save; the measurements below change no weight
 
@@ -134,6 +139,8 @@ def main() -> None:
              [[k, f"{held[k]:,}", f"{fp32[k]:,}", held[k] // n_params, f"{mixed[k]:,}"]
               for k in held] + [["total", f"{sum(held.values()):,}", f"{sum(fp32.values()):,}",
                                  sum(held.values()) // n_params, f"{sum(mixed.values()):,}"]])
+    # At rest is between steps; inside one, the activations and temporaries come on top.
+    peaks = report_peak(ui, peak, sum(held.values()))
 
     # Step 7: Measure the activations
     # Autograd keeps some tensors of the forward pass until backward needs them. The
@@ -191,7 +198,7 @@ def main() -> None:
         loss_floor=floor, memory_bytes={**held, "activations": plain.bytes},
         activations_checkpointed_bytes=ckpt.bytes, activations_bf16_bytes=bf16.bytes,
         checkpointed_losses=ckpt_losses, loss_bf16=loss_bf16.item(),
-        seconds_forward_backward={"plain": t_plain, "checkpointed": t_ckpt}))
+        seconds_forward_backward={"plain": t_plain, "checkpointed": t_ckpt}, **peaks))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
 

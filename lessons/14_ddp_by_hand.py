@@ -8,7 +8,8 @@ starts each gradient's all-reduce (or its bucket's) as soon as backward has prod
 finish_gradient_synchronization() waits and averages before the optimizer steps. We count
 the all-reduces, their bytes and their overlap with backward, beside torch's DDP, and end
 with lesson 13's weights (within 1e-3) and torch DDP's. Lesson 13's memory steps stay in
-lesson 13: every rank here holds what one device held there.
+lesson 13: every rank here holds what one device held there; only the peak of one step is
+printed, per rank, beside it.
 
 Run:
     make lesson-14
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from apparatus.comm import COLUMNS, compare, counted_ddp, table_rows
+from apparatus.memory import StepPeak, report_peak, state_bytes
 from common import transformer as T
 from common.cli import lesson_parser, positive_float, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
@@ -138,12 +140,15 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     # Step 4: Train, all-reducing the gradients during backward
     # Lesson 13's loop on this rank's rows, plus one line: the hooks start the all-reduces
     # inside loss.backward(); finish_gradient_synchronization() waits for them and averages.
+    # torch's MemTracker follows the last step on every rank (apparatus/memory.py).
     ui.step(4, "Train, all-reducing the gradients during backward")
     losses: list[float] = []
     timer = Timer()
     log_every = max(1, args.steps // 5)
+    peak = StepPeak(model, optimizer, args.steps - 1)  # slows the ops it sees: one step only
     with ui.progress(args.steps, "training") as bar:
         for step in range(args.steps):
+            peak.at(step)
             x, y = T.batch(step, args.seed)
             x, y = x.to(device), y.to(device)
             x, y = T.shard(x, rank, world), T.shard(y, rank, world)
@@ -157,7 +162,11 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
             if (step + 1) % log_every == 0:
                 ui.print(f"step {step + 1:>4}/{args.steps} | loss {loss.item():.4f} | "
                          f"{timer.rate((step + 1) * x.numel()):>9,.0f} tokens/s")
+    peak.stop()  # the tracker leaves the ops alone again
     wall = timer.seconds
+    # At rest each rank holds what lesson 13's one device held; inside a step come the
+    # activations of its own rows (1/N of lesson 13's) and temporaries, HandDDP's buckets too.
+    peaks = report_peak(ui, peak, sum(state_bytes(model, optimizer).values()))  # every rank's
     dist.all_reduce(every := torch.tensor(losses, device=device))  # sum the ranks' losses:
     losses = (every / world).tolist()  # their mean is the whole batch's loss
     final_state = plain_state_dict(model)  # what we save; the comparison below trains fresh copies
@@ -207,7 +216,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
         loss_floor=floor, bucket_mb=mb,
         comm={name: summary for name, (summary, _) in runs.items()}, max_abs_diff_floor=chunk_floor,
-        max_abs_diff_vs_single_device=diff, max_abs_diff_vs_torch_ddp=diff_torch))
+        max_abs_diff_vs_single_device=diff, max_abs_diff_vs_torch_ddp=diff_torch, **peaks))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
 

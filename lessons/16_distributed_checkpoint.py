@@ -6,7 +6,8 @@ New since lesson 15: FSDP2 only, checkpointed with torch.distributed.checkpoint 
 writes its own shards, nobody gathers the model. --stop-at-step K saves after step K and exits;
 --resume DIR continues at any --world-size and ends with the uninterrupted run's weights. Then
 async_save against save, and the checkpoint made into one torch.save file for a plain model.
-Lesson 15's byte and collective counts stay there: a checkpoint changes neither.
+Lesson 15's byte and collective counts stay there: a checkpoint changes neither (only its
+peak of one step is printed here too); the root stays at FSDP2's default, as in lesson 15.
 Each save is written beside its folder and renamed into place whole, with checkpoint.json
 (what made it, each file's sha256) written last; a resume checks it all, and reads DCP's
 .metadata pickle with an allow-list, so a crafted one runs no code
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 from apparatus import sharding
+from apparatus.memory import StepPeak, report_peak
 import checkpointing
 from common import transformer as T
 from apparatus.state_dicts import load_into
@@ -55,8 +57,8 @@ def parse_args():
     parser.add_argument("--stop-at-step", type=positive_int, help="save after this step, and exit")
     parser.add_argument("--checkpoint", type=Path, help="DCP checkpoint folder (default: checkpoint/ in --out, so runs/lesson-16/checkpoint)")
     parser.add_argument("--resume", type=Path, help="a DCP checkpoint folder to continue from")
-    parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
-                        action="store_false", help="fsdp: keep gathered weights until backward")
+    parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                        help="fsdp: the blocks keep their gathered weights until backward (the root always does)")
     args = parser.parse_args()
     T.check_world_size(args.world_size, "--world-size")  # before any rank starts
     return checkpointing.check(args)  # --stop-at-step before --steps, also before; --checkpoint's default
@@ -114,8 +116,9 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     model = T.make_model(args.seed).to(device)
     if args.strategy == "fsdp":  # ZeRO-3: each block one FSDP group, then the root (the rest)
         mesh = dist.init_device_mesh(device.type, (world,))
-        for module in (*model.blocks, model):
-            fully_shard(module, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+        for block in model.blocks:  # --no-reshard-after-forward: keep them gathered till backward
+            fully_shard(block, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+        fully_shard(model, mesh=mesh)  # the root at its default: gathered once, kept for backward
         sharding.show_shards(ui, model)
     optimizer = T.make_optimizer(model)
     start, end = 0, args.stop_at_step or args.steps
@@ -131,12 +134,15 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     # Step 4: Train from start to end (--resume, --stop-at-step)
     # The same loop as lesson 01, with a new batch every step instead of epochs.
     # A batch depends on its step alone: a resumed run sees the batches the whole run would.
+    # torch's FSDPMemTracker follows the last step on every rank (apparatus/memory.py).
     ui.step(4, "Train from start to end (--resume, --stop-at-step)")
     losses: list[float] = []
     timer = Timer()
     log_every = max(1, args.steps // 5)
+    peak = StepPeak(model, optimizer, end - 1)  # slows the ops it sees: one step only
     with ui.progress(end - start, "training") as bar:
         for step in range(start, end):
+            peak.at(step)
             x, y = T.batch(step, args.seed)
             x, y = T.shard(x, rank, world).to(device), T.shard(y, rank, world).to(device)
             loss = T.loss_fn(model(x), y)
@@ -148,7 +154,11 @@ def worker(rank: int, world: int, args, kind: str) -> None:
             if (step + 1) % log_every == 0:
                 ui.print(f"step {step + 1:>4}/{args.steps} | loss {loss.item():.4f} | "
                          f"{timer.rate((step + 1 - start) * x.numel()):>9,.0f} tokens/s")
+    peak.stop()  # the tracker leaves the ops alone again
     wall = timer.seconds
+    # Between steps a rank holds its shards; inside one, gathered groups and activations too.
+    peaks = report_peak(ui, peak, sum(sharding.held_bytes(model, optimizer).values()))  # every rank's
+    resharded = checkpointing.show_resharding(ui, model)  # which groups freed their gathered weights
     final_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     losses = sharding.mean_over_ranks(losses)
     ref = checkpointing.show_losses(ui, losses, start, end, args.seed, args.steps, log_every)
@@ -210,7 +220,8 @@ def worker(rank: int, world: int, args, kind: str) -> None:
         lesson="16", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, max_abs_diff_vs_single_device=diff, chunked_floor=gap, start_step=start, reference_losses=ref))
+        loss_floor=floor, max_abs_diff_vs_single_device=diff, chunked_floor=gap, start_step=start, reference_losses=ref,
+        resharded_after_forward=resharded, **peaks))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
     teardown()

@@ -68,6 +68,22 @@ def test_memory_matches_the_formula(lesson):
     assert mem["activations"] > mem["parameters"]
 
 
+def test_reports_the_peak_of_one_training_step_beside_what_it_holds_at_rest(lesson):
+    """metrics.json's peak_memory_bytes (issue 23): torch's MemTracker around the last step.
+    At rest the process holds Step 6's parameters, gradients and AdamW state; inside a step
+    the activations come on top, so the peak is higher, and the lesson prints both."""
+    out, _, metrics = lesson
+    mem, peak = metrics["memory_bytes"], metrics["peak_memory_bytes"]
+    at_rest = mem["parameters"] + mem["gradients"] + mem["optimizer_state"]
+    assert type(peak) is int and peak >= at_rest > 0
+    assert metrics["at_rest_bytes"] == at_rest and metrics["peak_memory_step"] == T.STEPS
+    breakdown = metrics["peak_memory_breakdown"]
+    assert breakdown["Total"] == peak and breakdown["PARAM"] == mem["parameters"]
+    assert 0 < breakdown["ACT"] <= mem["activations"]  # what autograd saved, partly freed by then
+    line = next(l for l in out.splitlines() if l.startswith(f"peak of training step {T.STEPS} "))
+    assert f"{peak:,} bytes" in line and f"{at_rest:,} held at rest" in line
+
+
 def test_checkpointing_saves_less_and_changes_nothing(lesson):
     out, _, metrics = lesson
     assert 0 < metrics["activations_checkpointed_bytes"] < metrics["memory_bytes"]["activations"] / 4

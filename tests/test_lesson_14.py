@@ -85,6 +85,23 @@ def test_prints_the_table_and_its_own_steps_in_order(lesson):
     assert not {"memory_bytes", "activations_checkpointed_bytes", "checkpointed_losses"} & set(metrics)
 
 
+def test_reports_every_ranks_peak_of_one_step_beside_what_it_holds(lesson):
+    """metrics.json's peak_memory_bytes (rank 0) and peak_memory_bytes_all (issue 23): torch's
+    MemTracker around the last step on every rank. Every rank holds what lesson 13's one
+    device held (16 bytes per parameter); the step's activations, of its own rows, come on top."""
+    out, state, metrics = lesson
+    held = 16 * sum(t.numel() for t in state.values())
+    peaks, at_rest = metrics["peak_memory_bytes_all"], metrics["at_rest_bytes_all"]
+    assert len(peaks) == len(at_rest) == WORLD and metrics["peak_memory_bytes"] == peaks[0]
+    assert at_rest == [held] * WORLD and metrics["peak_memory_step"] == STEPS
+    for peak, rest in zip(peaks, at_rest):
+        assert type(peak) is int and peak > rest
+    assert metrics["peak_memory_breakdown"]["ACT"] > 0
+    table = out.split(f"Peak of training step {STEPS}, per rank")[1].split("Step 5")[0]
+    for rank, peak in enumerate(peaks):
+        assert re.search(rf"{rank}\s+\S\s+{held:,}\s+\S\s+{peak:,}\s", table), table
+
+
 # --- HandDDP on its own -----------------------------------------------------------------
 
 def _tied_model(seed: int):

@@ -150,6 +150,30 @@ def test_resumed_at_three_ranks_ends_with_the_uninterrupted_weights(runs, refere
     assert "returned a Future" in out
 
 
+def test_every_rank_reports_its_peak_and_the_root_stays_gathered(runs, reference):
+    """Issue 23: metrics.json's peak_memory_bytes (rank 0) and peak_memory_bytes_all, torch's
+    FSDPMemTracker around the last step, at least what each rank holds at rest (its shards of
+    the weights, gradients and AdamW state, under 16 bytes per parameter on 3 ranks). And
+    the resharding flag reaches the blocks only: the root, at FSDP2's default, is not
+    resharded after forward (its group has no post-forward mesh), so it is gathered once."""
+    proc = runs["resumed"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, metrics = load_run(runs["base"] / "resumed")
+    peaks, at_rest = metrics["peak_memory_bytes_all"], metrics["at_rest_bytes_all"]
+    full = 16 * sum(t.numel() for t in reference["state"].values())
+    assert len(peaks) == len(at_rest) == 3 and metrics["peak_memory_bytes"] == peaks[0]
+    assert metrics["peak_memory_step"] == STEPS  # the last step this run trained
+    for peak, rest in zip(peaks, at_rest):
+        assert type(peak) is int and peak > rest > 0 and rest < full / 2
+    assert metrics["resharded_after_forward"] == {"root": False, "blocks.0": True, "blocks.1": True}
+    out = proc.stdout
+    assert f"Peak of training step {STEPS}, per rank (torch's FSDPMemTracker)" in out
+    assert all(f"{n:,}" in out for n in peaks + at_rest)
+    assert "resharded (gathered again in backward): blocks.0, blocks.1; kept gathered for backward: root" in out
+    # the stopped run prints its peak too (its step 3), for each of its 2 ranks
+    assert f"Peak of training step {STOP}, per rank" in runs["stopped"]
+
+
 def test_converted_checkpoint_loads_into_a_plain_model(runs):
     state, _ = load_run(runs["base"] / "resumed")
     converted = torch.load(runs["base"] / "resumed" / "from-dcp.pt", weights_only=True)

@@ -25,8 +25,8 @@ it (the checks: checkpoint.json, the allow-list, Reader) close those three holes
   os.system, ...) is refused before it is called. The launcher reads `.metadata` this way,
   and so does every rank: Reader, the FileSystemReader each rank hands dcp.load, which also
   checks each file's sha256 before reading it and names the file when torch.load refuses it.
-* files, needed_bytes, full_state_bytes, show_files, show_losses, show_resumed: what the
-  lesson prints.
+* files, needed_bytes, full_state_bytes, show_files, show_losses, show_resumed,
+  show_resharding: what the lesson prints.
 """
 from __future__ import annotations
 
@@ -232,3 +232,16 @@ def show_resumed(ui, state: dict, optimizer) -> int:
     ui.print(f"resumed after step {step} on {world} rank{'s' if world > 1 else ''}; AdamW's step counter "
              f"(restored from the checkpoint): {int(counter)}")
     return step
+
+
+def show_resharding(ui, model) -> dict[str, bool]:
+    """{FSDP group: whether it frees its gathered parameters after forward}, read from FSDP2's
+    own state once a forward has run: the root, left at reshard_after_forward=None, gets no
+    post-forward mesh at its lazy init (torch 2.14.1, fsdp/_fully_shard/_fsdp_state.py:
+    `post_forward_mesh_info = None`), so it is gathered once per step and kept for backward."""
+    groups = {name or "root": module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+              for name, module in model.named_modules() if hasattr(module, "_get_fsdp_state")}
+    freed, kept = ([k for k, v in groups.items() if v == flag] for flag in (True, False))
+    ui.print(f"after forward, resharded (gathered again in backward): {', '.join(freed) or 'none'}; "
+             f"kept gathered for backward: {', '.join(kept) or 'none'}")
+    return groups
