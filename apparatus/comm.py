@@ -358,7 +358,7 @@ class CommLog:
                 for k, d in out.items()}
 
 def record_training(wrapped, model, optimizer, batches, loss_fn, finish=None,
-                    warmup: int = 1) -> tuple[dict, dict]:
+                    warmup: int = 1, log: "CommLog | None" = None) -> tuple[dict, dict]:
     """Train one step per (x, y) in `batches` (this rank's share) through `wrapped`, recording
     the gradients' collectives (backward, then `finish`) of every step after the first `warmup`
     ones; returns (CommLog.summary, final weights).
@@ -368,9 +368,11 @@ def record_training(wrapped, model, optimizer, batches, loss_fn, finish=None,
     all-reduces it as one bucket and builds its real buckets from the order it saw. The
     forward is not recorded: there torch's DDP broadcasts its rebuilt bucket layout once (two
     small broadcasts in its second forward, measured on torch 2.14.1), which is no gradient.
+    `log`: a CommLog already watching(model), as compare() makes one; otherwise a new one.
     """
-    log, steps = CommLog(), 0
-    with log.watching(model):
+    steps, watched = 0, log is not None
+    log = log or CommLog()
+    with nullcontext() if watched else log.watching(model):
         for i, (x, y) in enumerate(batches):
             loss = loss_fn(wrapped(x), y)
             optimizer.zero_grad(set_to_none=True)
@@ -393,12 +395,16 @@ def compare(strategies: dict, make_model, make_optimizer, batch, loss_fn, steps,
     results = {}
     counts = steps if isinstance(steps, (list, tuple)) else [steps] * len(strategies)
     for (name, wrap), n in zip(strategies.items(), counts):
-        model = make_model()
-        wrapped = wrap(model)
-        results[name] = record_training(
-            wrapped, model, make_optimizer(model), (batch(s) for s in range(n)), loss_fn,
-            getattr(wrapped, "finish_gradient_synchronization", None), warmup)
-        del wrapped  # a DDP reducer holds the process group: free it before the next one
+        model, log = make_model(), CommLog()
+        # Watch before wrapping: a parameter's hooks run in the order they were registered, so
+        # the log notes each gradient's arrival before the wrapper's hook launches its
+        # all-reduce. The other way round, the last launch's own time counted as backward.
+        with log.watching(model):
+            wrapped = wrap(model)
+            results[name] = record_training(
+                wrapped, model, make_optimizer(model), (batch(s) for s in range(n)), loss_fn,
+                getattr(wrapped, "finish_gradient_synchronization", None), warmup, log)
+            del wrapped  # a DDP reducer holds the process group: free it before the next one
     return results
 
 

@@ -160,3 +160,23 @@ def test_sees_dtensors_own_collectives_as_commdebugmode_does():
         total = sum(r["ours"].values())
         assert r["not_stepping_aside"] == total - optimizer["calls"]
         assert r["groups"] == {r["world_group"]}  # a 1-D mesh over the world: its one group
+
+
+def test_compare_watches_the_gradients_before_the_wrapper_hooks_them():
+    """A parameter's post-accumulate-grad hooks run in the order they were registered.
+    compare() registers the log's before it wraps the model, so each gradient's arrival is
+    noted before the wrapper's hook launches its all-reduce: registered after, the last
+    launch's own time counted as backward (HandDDP with buckets: 88% "during backward" at world
+    size 1 against torch's DDP's 78%; 80% once watched first)."""
+    from apparatus.comm import compare
+
+    watched_first = []
+
+    def wrap(model):
+        watched_first.append(all(p._post_accumulate_grad_hooks for p in model.parameters()))
+        return model
+
+    torch.manual_seed(0)
+    compare({"plain": wrap}, lambda: torch.nn.Linear(3, 2), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+            lambda s: (torch.randn(4, 3), torch.randn(4, 2)), torch.nn.functional.mse_loss, steps=2)
+    assert watched_first == [True]
