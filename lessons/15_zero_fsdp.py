@@ -32,7 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from apparatus.comm import CommLog, route_ddp_through_python
-from apparatus.memory import formula_bytes
+from apparatus.memory import formula_bytes, report_peak
 from apparatus import sharding
 import sharded
 from common import transformer as T
@@ -197,7 +197,7 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     held, one_device = sum(per_rank["per_rank_bytes"].values()), sum(formula_bytes(n_params).values())
     ui.print(f"rank 0 holds {held:,} bytes, {held / n_params:.1f} per parameter: "
              f"{held / one_device:.0%} of the {one_device:,} one device holds (lesson 13)")
-    peaks = sharded.report_peaks(ui, record, per_rank)  # every rank's, beside what it holds
+    peaks = report_peak(ui, record.peak, held)  # every rank's peak, beside what it holds
     comm = sharded.report_comm(ui, log, story, args, optimizer, record.logged)
 
     # Step 7: Compare with lesson 13, save the results

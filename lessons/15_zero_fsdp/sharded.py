@@ -10,8 +10,8 @@ sent per step, and the peak of one step.
 * FSDPStory: records FSDP2's own debug markers (pre_forward, pre_backward, post_backward,
   per module) and its backward prefetches, so that each collective CommLog saw can be shown
   under the group it served.
-* StepRecorder: CommLog on the printed steps only, torch's MemTracker (FSDPMemTracker under
-  FSDP2) on the last of them; report_peaks: every rank's peak beside what it holds at rest.
+* StepRecorder: CommLog on the printed steps only, apparatus/memory.py's StepPeak (torch's
+  MemTracker, FSDPMemTracker under FSDP2) on the last of them.
 * report_comm: the bytes this rank sent per step (CommLog) beside the ring formula
   (apparatus/sharding.py's comm_formula) and beside DDP's, and for fsdp the story table.
 
@@ -28,7 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from apparatus.sharding import comm_formula, inner_optimizer, recipe_shapes
+from apparatus.memory import StepPeak
+from apparatus.sharding import comm_formula, recipe_shapes
 
 
 def flat_row(params, size: int, device, grad: bool = False) -> torch.Tensor:
@@ -234,52 +235,28 @@ class StepRecorder:
 
     A TorchDispatchMode sees every op, so it slows every step it watches: CommLog records
     the printed steps only, every `every`-th (each step of a strategy sends the same, but for
-    torch's DDP's first two: one bucket, then two small broadcasts), and torch's MemTracker
-    (torch/distributed/_tools/mem_tracker.py; FSDPMemTracker for FSDP2, which also sees its
-    all-gather and reduce-scatter buffers) follows the last of them, from its forward to the
-    end of its optimizer step: the peak of one training step, activations included, on top
+    torch's DDP's first two: one bucket, then two small broadcasts), and apparatus/memory.py's
+    StepPeak (torch's MemTracker; FSDPMemTracker for FSDP2, which also sees its all-gather and
+    reduce-scatter buffers) follows the last of them, from its forward to the end of its
+    optimizer step: `record.peak`, the peak of one training step, activations included, on top
     of what the rank holds at rest (the model, its gradients, the optimizer state)."""
 
     def __init__(self, log, model, optimizer, steps: int, every: int):
-        self.log, self.model, self.optimizer = log, model, optimizer
-        self.logged = [s for s in range(steps) if (s + 1) % every == 0]
-        self.stack, self.tracker, self.peak_step = contextlib.ExitStack(), None, self.logged[-1]
+        self.log, self.logged = log, [s for s in range(steps) if (s + 1) % every == 0]
+        self.stack, self.peak = contextlib.ExitStack(), StepPeak(model, optimizer, self.logged[-1])
 
     def at(self, step: int) -> None:
-        """Stop recording the previous step; record this one if it is logged."""
+        """Stop recording the previous step; record this one if it is logged (the tracker
+        inside CommLog's recording, as it is entered last)."""
+        self.peak.stop()
         self.stack.close()
         if step in self.logged:
             self.stack.enter_context(self.log.recording())
-        if step == self.peak_step:
-            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            if hasattr(self.model, "reshard"):  # an FSDPModule: it tracks its own state
-                self.tracker = FSDPMemTracker(self.model, inner_optimizer(self.optimizer))
-            else:  # what exists before the step: weights, last step's gradients, AdamW state
-                self.tracker = MemTracker()
-                self.tracker.track_external(self.model, inner_optimizer(self.optimizer))
-            self.stack.enter_context(self.tracker)
+        self.peak.at(step)
 
     def __enter__(self) -> "StepRecorder":
         return self
 
     def __exit__(self, *exc) -> None:
+        self.peak.stop()
         self.stack.close()
-
-
-def report_peaks(ui, record: StepRecorder, per_rank: dict) -> dict:
-    """Every rank's peak in the tracked step beside what it holds at rest (Step 6's table)."""
-    peak = {str(kind).split(".")[-1]: n for snap in record.tracker.get_tracker_snapshot("peak").values()
-            for kind, n in snap.items()}
-    mine = (peak["Total"], sum(per_rank["per_rank_bytes"].values()),
-            sum(n for k, n in peak.items() if k in ("ACT", "TEMP", "INP", "BUFFER", "OTH")))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    ui.table(f"Peak of one training step (step {record.peak_step + 1}), per rank: torch's MemTracker",
-             ["rank", "held at rest", "peak in the step", "peak / at rest",
-              "of it: made by the step"],
-             [[r, f"{rest:,}", f"{top:,}", f"{top / rest:.1f}x", f"{act:,}"]
-              for r, (top, rest, act) in enumerate(everyone)])
-    return {"peak_memory_bytes": mine[0], "peak_memory_bytes_all": [e[0] for e in everyone],
-            "peak_memory_step": record.peak_step + 1, "peak_memory_breakdown": peak}
