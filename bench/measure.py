@@ -315,15 +315,7 @@ def scaling(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
         torch.set_num_threads(want_threads)
         model = recipe_mlp(cfg["hidden"]).to(device)
         net = wrap_ddp(model, group, device) if variant == "ddp" else model
-        optimizer = recipe.make_optimizer(net)
-        feed = itertools.cycle(batches)
-
-        def window():
-            for _ in range(steps):
-                x, y = next(feed)
-                train_step(net, optimizer, x, y)
-
-        times = ctx.timed(window, n)
+        times = ctx.timed(training_window(net, batches, steps), n)
         torch.set_num_threads(threads)
         rows.append({
             "variant": variant, "world_size": n, "threads_per_rank": want_threads,
@@ -335,7 +327,7 @@ def scaling(ctx: Ctx, n: int, cfg: dict) -> list[dict]:
             "cpu_busy": summary([b / want_threads for b in ctx.last_cpu_busy]),
             "rank_spread": rank_spread(model, ctx.ctl[n]) if variant == "ddp" else 0.0,
         })
-        del net, optimizer, model, window  # DDP's reducer holds the group: free it now
+        del net, model  # DDP's reducer holds the group: free it now (the window went with timed())
         gc.collect()
     return rows
 
