@@ -156,6 +156,16 @@ def test_plan_tables_for_a_7b_model_fit_80_columns(monkeypatch, capsys, tmp_path
     assert sent["TP 16 SP x ZeRO-3 4"][4] == "tp dp"  # tensor parallel across nodes: flagged
 
 
+def test_plan_says_when_tensor_parallel_cannot_split_the_width(monkeypatch, capsys, tmp_path):
+    """On 3 GPUs the plan's TP layout is TP 3, which no real job runs on a width of 4,096: the
+    plan says so in a note, and says nothing of the kind on 8 GPUs."""
+    lesson = import_lesson("19")
+    out, _ = _plan(lesson, ["7e9", "--gpus", 3], tmp_path / "3", monkeypatch, capsys)
+    assert "note: tensor parallel of 3 does not divide the width 4096" in out
+    out, _ = _plan(lesson, ["7e9", "--gpus", 8], tmp_path / "8", monkeypatch, capsys)
+    assert "does not divide the width" not in out
+
+
 def test_plan_json_has_the_interface_keys(monkeypatch, capsys, tmp_path):
     """--plan ... --out DIR writes DIR/plan.json: rows with the keys issue #23 fixes, the
     planner's own numbers."""

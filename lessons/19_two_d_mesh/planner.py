@@ -340,6 +340,10 @@ def show_plan(ui, args, folder) -> list[dict]:
     rows = plan(model, args.gpus, args.gpu_gb, args.gpus_per_node, args.sequence_parallel)
     for title, (columns, cells) in tables(rows).items():
         ui.table(title, columns, cells)
+    odd = sorted({row["tp"] for row in rows if args.hidden % row["tp"]})
+    if odd:  # e.g. 3 GPUs: TP 3 of a width of 4,096
+        ui.print(f"note: tensor parallel of {', '.join(map(str, odd))} does not divide the width "
+                 f"{args.hidden}, so no real job splits these layers that way; those rows only show the formulas")
     ui.print("state: weights + gradients + AdamW; act.: checkpointed block inputs (an estimate); "
              "off-node: dimensions whose groups span nodes (ranks numbered tp fastest, then dp, then pp); "
              "compute: 8 x parameters x tokens / GPUs at the peak (6 + 2 recomputed), stretched by the "
