@@ -8,10 +8,12 @@
 * Layers point down: common/ imports nothing of ours but itself; apparatus/ imports common/
   and itself; a module that serves one lesson lives in that lesson's folder (lessons/NN_topic/).
 """
+import functools
 import io
 import re
 import sys
 import tokenize
+from pathlib import Path
 
 import pytest
 
@@ -78,16 +80,21 @@ def test_make_diff_defaults_to_the_parent():
 
 def imports_of(path) -> set[str]:
     """The repository modules a file imports, at the top or inside a function (a late import
-    is still an edge: it can close a cycle)."""
+    is still an edge: it can close a cycle). Parsed once per file and content."""
+    return set(_imports_of(str(path), Path(path).read_text()))
+
+
+@functools.lru_cache(maxsize=None)
+def _imports_of(_path: str, text: str) -> frozenset[str]:
     import ast
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found.update(f"{node.module}.{a.name}" for a in node.names)
-    return found
+    return frozenset(found)
 
 
 PACKAGES = ("common", "apparatus")
