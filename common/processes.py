@@ -111,14 +111,17 @@ def error_file_whole(fn):
     the agent SIGTERMs the others, and reads each failed worker's error.json; a worker cut off
     between opening that file and writing it left it empty, and the agent then died on it
     (json.JSONDecodeError in ProcessFailure, torch 2.14.1) instead of restarting the group.
-    A worker that hangs on its way out still ends: the agent follows with SIGKILL."""
+    A worker that hangs on its way out still ends: the agent follows with SIGKILL.
+    Only an Exception, which @record writes down: SystemExit (--help, a bad flag) and Ctrl-C
+    change nothing (--help once left a test process deaf to SIGTERM, and every Python it
+    started after, which inherits what is ignored)."""
     import functools
 
     @functools.wraps(fn)
     def guarded(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except BaseException:
+        except Exception:
             with contextlib.suppress(ValueError):  # (not the main thread: leave it)
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
             raise

@@ -247,6 +247,12 @@ def test_a_failing_worker_ignores_sigterm_while_its_error_file_is_written():
     try:
         assert error_file_whole(lambda: 3)() == 3
         assert signal.getsignal(signal.SIGTERM) == before  # nothing changes while it works
+        for leaving in (SystemExit(0), SystemExit(2), KeyboardInterrupt()):  # --help, a bad flag, Ctrl-C
+            def leaves(exc=leaving):
+                raise exc
+            with pytest.raises(type(leaving)):
+                error_file_whole(leaves)()
+            assert signal.getsignal(signal.SIGTERM) == before, leaving  # not an error file's business
 
         @error_file_whole
         def fails():
