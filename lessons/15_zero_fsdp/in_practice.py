@@ -52,6 +52,8 @@ MAX_NORM = 1.0  # Step 8: clip_grad_norm_'s max_norm (the first batch's gradient
 
 def parse_args():
     parser = lesson_parser(__doc__, recipe=False, distributed=True, world_size=4)
+    next(a for a in parser._actions if a.dest == "out").help = (  # not a lesson's runs/lesson-NN
+        "folder for final.pt and metrics.json (default: runs/lesson-15-in-practice)")
     parser.add_argument("--steps", type=positive_int, default=2,
                         help="optimizer steps in each section (one global batch each)")
     parser.add_argument("--seed", type=seed_number, default=T.SEED,
