@@ -35,7 +35,7 @@ from torch.distributed.tensor import Replicate, parallel as tp
 from apparatus.comm import CommLog
 from apparatus import sharding
 import mesh_checks
-import planner
+import plan_cli  # lessons/19_two_d_mesh/: --plan's flags and tables (the formulas: planner.py)
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, pick_device, plan_device
@@ -52,7 +52,7 @@ def parse_args():
                         help="seed for the initial weights and the batches")
     parser.add_argument("--dp", type=positive_int, default=2, help="ranks across the data (FSDP2)")
     parser.add_argument("--tp", type=positive_int, default=2, help="ranks across each block (tensor parallel)")
-    planner.add_plan_flags(parser)  # --plan 7e9 --gpus 8 --gpu-gb 80 ...
+    plan_cli.add_plan_flags(parser)  # --plan 7e9 --gpus 8 --gpu-gb 80 ...
     args = parser.parse_args()
     if args.plan is None:  # before any rank starts: Part 2's one rule, for each dimension
         T.check_world_size(args.dp, "--dp")  # dp splits the batch's rows
@@ -66,7 +66,7 @@ def main() -> None:
     claim_out(out_dir("19", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     if args.plan is not None:  # the planner alone: formulas, no processes (lessons/19_two_d_mesh/planner.py)
-        return planner.show_plan(ui, args, out_dir("19", args.out))  # and --out's plan.json
+        return plan_cli.show_plan(ui, args, out_dir("19", args.out))  # and --out's plan.json
     ui.title(f"Lesson 19: a {args.dp} x {args.tp} mesh (dp x tp) on {args.world_size} ranks")
 
     # Step 1: Start dp x tp ranks, one device each

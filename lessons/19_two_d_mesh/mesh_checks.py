@@ -17,8 +17,8 @@ import logging
 
 import torch
 
-from planner import (FP32, INFINIBAND, NVLINK, Layout, Model, activations, check_plan_flags,
-                     comm, memory)
+from plan_cli import check_plan_flags
+from planner import FP32, INFINIBAND, NVLINK, Layout, Model, activations, comm, memory
 
 
 def groups_of(mesh) -> dict[str, list[int]]:
