@@ -183,25 +183,17 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def _ignored_now() -> set:
-    import signal
-    out = set()
-    for sig in signal.valid_signals():
-        with contextlib.suppress(ValueError, OSError):
-            if signal.getsignal(sig) == signal.SIG_IGN:
-                out.add(sig)
-    return out
-
-
 @pytest.fixture(autouse=True)
 def no_signal_left_ignored():
     """A test that runs lesson code in this process must not leave a signal ignored or
     blocked: every Python this worker starts afterwards inherits that (a lesson's --help once
     left SIGTERM ignored, and a later test's child could not be stopped by it)."""
     import signal
-    ignored, blocked = _ignored_now(), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+    from zygote import _ignored_signals  # what a new Python would inherit as ignored
+    ignored, blocked = set(_ignored_signals()), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
-    now_ignored, now_blocked = _ignored_now(), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    now_ignored, now_blocked = set(_ignored_signals()), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     left = sorted(now_ignored - ignored) + sorted(now_blocked - blocked)
     for sig in now_ignored - ignored:
         signal.signal(sig, signal.SIG_DFL)
