@@ -370,6 +370,80 @@ def test_each_rank_reads_metadata_and_shards_through_the_checks(runs, tmp_path):
     assert not marker.exists()
 
 
+def _step_as_bytes(folder, marker):
+    """Issue 35's attack: .metadata marks "step" as bytes (BytesStorageMetadata, which the
+    allow-list accepts: the optimizer's param_groups are saved that way), its piece points
+    to a torch.save'd __reduce__ payload appended to a shard, and checkpoint.json is resealed.
+    DCP's DefaultLoadPlanner.load_bytes reads bytes with torch.load(weights_only=False)
+    (torch 2.14.1 default_planner.py:383-393): the payload writes `marker`, then returns 3,
+    so that a rank that ran it resumed "normally" after step 3."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    metadata = pickle.loads((folder / ".metadata").read_bytes())  # our own file: trusted
+    index = next(k for k in metadata.storage_data if k.fqn == "step")
+    info = metadata.storage_data.pop(index)
+    metadata.storage_data[MetadataIndex("step")] = info  # where DCP looks for bytes
+    payload = io.BytesIO()
+    torch.save(_Eval(f"(__import__('pathlib').Path({str(marker)!r}).write_text('ran'), 3)[1]"), payload)
+    info.offset, info.length = (folder / info.relative_path).stat().st_size, len(payload.getvalue())
+    with open(folder / info.relative_path, "ab") as f:
+        f.write(payload.getvalue())
+    metadata.state_dict_metadata["step"] = BytesStorageMetadata()
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    _reseal(folder)
+    return info.relative_path
+
+
+def test_step_saved_as_bytes_is_refused_and_runs_nothing(runs, tmp_path):
+    """The resume, as a learner runs it, on issue 35's crafted checkpoint: one line, non-zero,
+    no traceback, no rank started, and the payload never ran (it ran in every rank, and the
+    run exited 0, before)."""
+    folder, marker = tmp_path / "ckpt", tmp_path / "ran"
+    shutil.copytree(runs["ckpt"], folder)
+    _step_as_bytes(folder, marker)
+    proc = run_lesson("16", "--device", "cpu", "--world-size", 1, "--steps", STEPS, "--resume", folder,
+                      "--checkpoint", tmp_path / "new", "--out", tmp_path / "out", check=False, timeout=120)
+    assert not marker.exists(), "the crafted checkpoint's code ran"
+    line = one_error_line(proc)
+    assert f"--resume {folder}: its .metadata saves step as bytes" in line, line
+    assert "Step 1" not in proc.stdout
+
+
+def test_each_rank_loads_bytes_with_weights_only(runs, tmp_path):
+    """What each rank hands dcp.load, if the files change after the launcher's check: the
+    planner refuses a tensor saved as bytes, and loads any bytes it does read with
+    torch.load(weights_only=True); the payload never runs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    checkpointing = import_lesson("16").checkpointing
+    folder, marker = tmp_path / "ckpt", tmp_path / "ran"
+    shutil.copytree(runs["ckpt"], folder)
+    shard = _step_as_bytes(folder, marker)
+    with warnings.catch_warnings(), pytest.raises(CheckpointException) as exc:
+        warnings.simplefilter("ignore")
+        dcp.load({"step": torch.tensor(0)}, storage_reader=checkpointing.Reader(folder),
+                 planner=checkpointing.Planner(), no_dist=True)
+    assert "its .metadata saves step as bytes" in str(exc.value), str(exc.value)[-2000:]
+    assert not marker.exists()
+    # bytes where bytes are expected (the optimizer's param_groups) still load, weights_only
+    planner = checkpointing.Planner()
+    read_item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
+    planner.flatten_state_dict, planner.state_dict = False, {}
+    crafted = io.BytesIO()
+    torch.save(_Eval(f"__import__('pathlib').Path({str(marker)!r}).write_text('ran')"), crafted)
+    crafted.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        planner.load_bytes(read_item, crafted)  # Reader names the shard and the reason
+    assert not marker.exists()
+    plain = io.BytesIO()
+    torch.save(0.001, plain)
+    plain.seek(0)
+    planner.load_bytes(read_item, plain)
+    assert planner.state_dict == {"optim.param_groups.0.lr": 0.001}
+    assert shard.endswith(".distcp")
+
+
 # --- item 3: the wrong weights, refused --------------------------------------------------------
 
 def test_a_seed_7_checkpoint_is_refused_for_a_seed_0_run(runs, tmp_path, monkeypatch, capsys):
@@ -463,7 +537,8 @@ def _digest(folder):
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "overwritten", "other model", "no manifest",
-                                    "manifest is a folder", "metadata is a folder", "a file"])
+                                    "manifest is a folder", "manifest too long", "metadata is a folder",
+                                    "a file"])
 def test_bad_checkpoint_is_one_line_and_left_as_it_was(runs, tmp_path, monkeypatch, capsys, damage):
     folder = tmp_path / "ckpt"
     if damage == "other model":  # a DCP checkpoint with a manifest that fits, of a Linear
@@ -488,6 +563,9 @@ def test_bad_checkpoint_is_one_line_and_left_as_it_was(runs, tmp_path, monkeypat
             shard.write_bytes(b"x" * 64 + runs["saved"]["__1_0.distcp"][64:])
         elif damage == "no manifest":  # a save that never finished, or a DCP folder from elsewhere
             (folder / "checkpoint.json").unlink()
+        elif damage == "manifest too long":  # valid JSON, then 1 MiB of spaces: read no further
+            with open(folder / "checkpoint.json", "a") as f:
+                f.write(" " * (1 << 20))
         elif damage == "manifest is a folder":
             (folder / "checkpoint.json").unlink()
             (folder / "checkpoint.json").mkdir()
@@ -501,6 +579,7 @@ def test_bad_checkpoint_is_one_line_and_left_as_it_was(runs, tmp_path, monkeypat
                 "other model": "a checkpoint of another model",
                 "no manifest": "has no checkpoint.json, so it is not a finished checkpoint",
                 "manifest is a folder": "its checkpoint.json cannot be read (Is a directory)",
+                "manifest too long": "its checkpoint.json cannot be read (it has more than 1,048,576 bytes",
                 "metadata is a folder": ".metadata is missing", "a file": "is not a folder"}[damage]
     assert expected in line and f"--resume {folder}" in line, line
     if before is not None:
@@ -516,6 +595,35 @@ def test_bad_checkpoint_from_the_command_line_has_no_traceback(runs, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("error: ") and "__0_0.distcp is missing" in proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["a fifo", "a link to /dev/zero"])
+def test_a_manifest_that_is_not_a_file_is_one_line_at_once(runs, tmp_path, kind):
+    """checkpoint.json as a FIFO hung the resume (open waits for a writer); as a link to
+    /dev/zero it was read until memory ran out. Only a regular file is read, and only up to a
+    size no checkpoint.json reaches. A new Python, a time limit and a memory limit (8 GiB of
+    address space), so that the code before the fix fails the test, not the machine."""
+    import resource
+    import subprocess
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(runs["ckpt"], folder)
+    (folder / "checkpoint.json").unlink()
+    if kind == "a fifo":
+        os.mkfifo(folder / "checkpoint.json")
+    else:
+        (folder / "checkpoint.json").symlink_to("/dev/zero")
+
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, lesson_path("16"), "--resume", folder, "--checkpoint", tmp_path / "new",
+                           "--out", tmp_path / "out"], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                          stdin=subprocess.DEVNULL, preexec_fn=limit_memory)
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and f"--resume {folder}: its checkpoint.json cannot be read" in line, line
+    assert "not a regular file" in line and time.monotonic() - start < 60
 
 
 def test_unreadable_resume_folder_is_one_line(runs, tmp_path, monkeypatch, capsys):

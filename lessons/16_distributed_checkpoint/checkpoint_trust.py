@@ -9,21 +9,28 @@ reading it runs no code (checkpointing.py saves and claims; this module checks).
   before it is called.
 * Reader: the FileSystemReader each rank hands dcp.load, making the same checks where it
   reads, and naming the file when torch.load refuses one.
+* Planner: the load planner each rank hands dcp.load. DCP's own (DefaultLoadPlanner) reads
+  any entry `.metadata` marks as bytes with torch.load(weights_only=False) (torch 2.14.1,
+  default_planner.py:383-393): ours reads them with weights_only=True. And load_metadata
+  refuses bytes anywhere but where this lesson saves them (the optimizer's param_groups).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
 import re
+import stat
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.futures import Future
 
 from apparatus.results import sha256  # the digest results.py writes beside final.pt
@@ -31,6 +38,7 @@ from common import transformer as T
 
 
 MANIFEST = "checkpoint.json"
+MANIFEST_LIMIT, METADATA_LIMIT = 1 << 20, 64 << 20  # bytes: far above what this lesson writes
 RECIPE = ("VOCAB", "SEQ", "DIM", "N_HEADS", "N_BLOCKS", "MLP_DIM", "GLOBAL_BATCH", "LR", "EPS",
           "TABLE_SEED", "SHARPNESS")  # common/transformer.py: what the weights mean
 
@@ -54,6 +62,9 @@ ALLOWED = {  # module -> names: what torch 2.14.1's dcp.save puts in .metadata (
 }
 
 
+BYTES_UNDER = "optim.param_groups."  # the only entries dcp.save writes as bytes here (lr, betas ...)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """pickle's documented way to restrict what a pickle may name ("Restricting Globals"):
     every class or function a pickle calls goes through find_class first."""
@@ -71,20 +82,51 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"pickle can run any code as it loads, so it was not loaded: pass a checkpoint you made")
 
 
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of `path` if it is a regular file of at most `limit` bytes, else OSError: a
+    FIFO would wait for a writer forever, /dev/zero never ends. O_NONBLOCK: a FIFO opens at
+    once (and is refused); fstat: the file opened, not the one a name pointed to before."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(21, "Is a directory")
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device, a socket or the like"
+            raise OSError(22, f"it is {kind}, not a regular file")
+        data = b""
+        while len(data) <= limit:  # at most limit + 1 bytes, even if the file grows meanwhile
+            more = os.read(fd, limit + 1 - len(data))
+            if not more:
+                return data
+            data += more
+        raise OSError(27, f"it has more than {limit:,} bytes, more than this lesson writes")
+    finally:
+        os.close(fd)
+
+
 def load_metadata(path: Path, where: str | None = None) -> Metadata:
     """DCP's Metadata from `path`, unpickled with the allow-list; CheckpointError if not."""
     where = where or str(path)
     try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f, where).load()
+        metadata = _MetadataUnpickler(io.BytesIO(read_regular(path, METADATA_LIMIT)), where).load()
     except CheckpointError:
         raise
+    except OSError as exc:
+        raise CheckpointError(f"{where} cannot be read ({exc.strerror or exc}); save the checkpoint "
+                              f"again") from None
     except Exception as exc:  # a damaged pickle fails in many ways
         raise CheckpointError(f"{where} cannot be read ({_first_line(exc)}); save the checkpoint "
                               f"again") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict) \
+            or not isinstance(metadata.state_dict_metadata, dict):
         raise CheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP's Metadata; "
                               f"save the checkpoint again")
+    for fqn, entry in metadata.state_dict_metadata.items():  # bytes: only where we save them
+        if isinstance(entry, BytesStorageMetadata) and not str(fqn).startswith(BYTES_UNDER):
+            raise CheckpointError(
+                f"{where} saves {fqn} as bytes, where this lesson saves a tensor (DCP unpickles "
+                f"bytes, and a pickle can run any code), so it was not loaded: pass a checkpoint you made")
     return metadata
 
 
@@ -127,7 +169,7 @@ def read_manifest(folder: Path, where: str) -> dict:
                               f"this lesson (a save that was interrupted, or one made elsewhere); "
                               f"pass a folder that a run with --checkpoint DIR saved")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_regular(path, MANIFEST_LIMIT))  # not a FIFO, not /dev/zero
         files = manifest["files"]
         assert all(isinstance(manifest[k], int) for k in ("seed", "step", "world_size"))
         assert isinstance(manifest["recipe"], dict) and isinstance(manifest["strategy"], str)
@@ -271,3 +313,16 @@ class Reader(FileSystemReader):
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+class Planner(DefaultLoadPlanner):
+    """DCP's DefaultLoadPlanner, except that bytes (the optimizer's lr, betas ...) are read with
+    torch.load(weights_only=True): its own load_bytes uses weights_only=False (torch 2.14.1,
+    default_planner.py:383-393), which runs whatever a crafted piece's pickle names."""
+
+    def load_bytes(self, read_item, value) -> None:
+        loaded = torch.load(value, weights_only=True)  # refuses anything but plain data
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded

@@ -25,6 +25,9 @@ it (the checks: checkpoint.json, the allow-list, Reader) close those three holes
   os.system, ...) is refused before it is called. The launcher reads `.metadata` this way,
   and so does every rank: Reader, the FileSystemReader each rank hands dcp.load, which also
   checks each file's sha256 before reading it and names the file when torch.load refuses it.
+  `.metadata` may mark an entry as bytes, which DCP's own planner unpickles with
+  torch.load(weights_only=False): bytes are refused except the optimizer's param_groups, and
+  Planner (each rank's) reads those with weights_only=True.
 * files, needed_bytes, full_state_bytes, show_files, show_losses, show_resumed,
   show_resharding: what the lesson prints.
 """
@@ -41,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from common import fail
 
-from checkpoint_trust import (MANIFEST, CheckpointError, Reader, _first_line,  # noqa: F401
+from checkpoint_trust import (MANIFEST, CheckpointError, Planner, Reader, _first_line,  # noqa: F401
                               load_metadata, made_by, problem, sha256, verify, write_manifest)  # (the lesson's too)
 
 _held: dict[str, int] = {}  # folder -> fd of its lock, held until this process ends
