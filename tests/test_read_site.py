@@ -216,6 +216,80 @@ def test_a_step_missing_on_one_side_stops_the_build_with_one_line(tmp_path, chan
     assert not list(out.parent.glob(".read.*")), "a half-built site was left behind"
 
 
+HOSTILE = """
+<script>document.title = "ran"</script>
+
+<style>body { display: none }</style>
+
+<iframe src="https://evil.example/"></iframe>
+
+A picture <img src="x.png" onerror="alert('img')"> and a <a href="javascript:alert('a')">link</a>,
+a [markdown link](javascript:alert('md')), <svg onload="alert('svg')"></svg>,
+<div onclick="alert('div')">a box</div> <object data="evil.swf"></object>
+<form action="https://evil.example/"><input name="q"></form>
+<a href="JaVaScRiPt:alert('case')">shouting</a> <a href="data:text/html,<script>alert(1)</script>">data</a>
+
+<a id="kept-anchor"></a>A paragraph the docs link to, with an anchor that must stay.
+"""
+
+
+class Hostile(html.parser.HTMLParser):
+    """What a page's body holds that could run code, load a page or restyle the site."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+        self.anchors: list[str] = []
+        self.in_head = False
+
+    def handle_starttag(self, tag, attrs):
+        self.in_head = self.in_head or tag == "head"
+        if tag == "a" and dict(attrs).get("id"):
+            self.anchors.append(dict(attrs)["id"])
+        if self.in_head:  # the page's own stylesheets and site.js
+            return
+        if tag in ("script", "style", "iframe", "object", "embed", "form", "input", "svg", "link", "meta"):
+            self.found.append(f"<{tag}>")
+        for name, value in attrs:
+            if name.startswith("on") or name == "style" and tag not in ("th", "td"):
+                self.found.append(f"<{tag} {name}>")
+            if name in ("href", "src", "action", "data") and re.match(r"\s*(javascript|data|vbscript):", value or "", re.I):
+                self.found.append(f"<{tag} {name}={value}>")
+
+    def handle_endtag(self, tag):
+        self.in_head = self.in_head and tag != "head"
+
+
+def test_raw_html_in_the_docs_is_sanitized_keeping_anchors(tmp_path):
+    """Issue 35: `make read` copied raw HTML from the docs into the site (markdown-it with
+    html enabled): <script>, <img onerror>, <iframe>, <style>, javascript: links, the title
+    line's too, on the lesson pages and the index. The site keeps an allow-list (nh3): the
+    docs' <a id=...> anchors stay, everything that runs code or loads a page goes."""
+    copy_repo_subset(tmp_path)
+    for doc in (tmp_path / "docs" / "01_single_device.md", tmp_path / "docs" / "zh" / "01_single_device.md"):
+        lines = doc.read_text().split("\n")
+        lines[0] += ' <img src="t.png" onerror="alert(\'title\')"><script>alert("title")</script>'
+        text = "\n".join(lines)
+        cut = text.index("\n## ")  # in the intro, and in the first step's section
+        first = next(m.start() for m in re.finditer(r"^## .*", text, re.M) if read_site.DOC_STEP.match(m[0]))
+        step = text.index("\n## ", first)
+        text = text[:step] + "\n" + HOSTILE + text[step:]
+        doc.write_text(text[:cut] + "\n" + HOSTILE + text[cut:])
+    (tmp_path / "README.md").write_text("# The course <script>alert('readme')</script>\n\n"
+                                        "Intro <img src=x onerror=alert('readme')> here.\n")
+    site = read_site.build(tmp_path)
+    pages = sorted(site.out.rglob("*.html"))
+    assert any(p.name == "01_single_device.html" for p in pages) and site.out / "index.html" in pages
+    for page in pages:
+        text = page.read_text()
+        parser = Hostile()
+        parser.feed(text)
+        assert parser.found == [], f"{page.relative_to(site.out)}: {parser.found}"
+        if page.name == "01_single_device.html":
+            assert parser.anchors.count("kept-anchor") == 2, (page, parser.anchors)  # intro and Step 1
+            assert "A paragraph the docs link to" in text and "a box" in text  # the text stays
+
+
 # ----------------------------------------------------------------------------- in Chromium
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

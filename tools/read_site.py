@@ -9,7 +9,9 @@ next step, so the two stay aligned as you scroll. The rest of the doc (what you 
 how to run it, mistakes, exercises) sits above and below. The index is the course, read
 from docs/TEACHING.md's table; glossary links land on a glossary page; a lesson whose
 docstring names a parent (`Parent: lesson NN`) links to the diff `make diff TO=NN` prints.
-Only what the venv already has (markdown-it-py and Pygments come with rich); no network.
+Only what the venv already has (markdown-it-py and Pygments come with rich; nh3, pinned in
+requirements.txt, sanitizes); no network. The docs' raw HTML goes through an allow-list
+(safe_html): their `<a id=...>` anchors stay; a <script>, an onerror, a javascript: link do not.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ ASSETS = Path(__file__).resolve().parent / "read_site"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+import nh3  # noqa: E402
 from markdown_it import MarkdownIt  # noqa: E402
 from pygments import highlight  # noqa: E402
 from pygments.formatters import HtmlFormatter  # noqa: E402
@@ -42,6 +45,25 @@ DOC_STEP = re.compile(r"^## (?:Step|步骤|第)\s*(\d+)\s*[:：]?\s*(.*?)\s*$")
 H2 = re.compile(r"^## ")
 FENCE = re.compile(r"^\s*(```|~~~)")
 LANGS = ("en", "zh")
+# What the rendered Markdown may hold: the tags and attributes markdown-it, Pygments and this
+# file write, and the docs' <a id=...> anchors. Anything else (script, style, iframe, form,
+# on* handlers, javascript: and data: URLs) is dropped by nh3 (ammonia's allow-list).
+SAFE_TAGS = {"a", "p", "h1", "h2", "h3", "h4", "h5", "h6", "ul", "ol", "li", "em", "strong", "code",
+             "pre", "blockquote", "hr", "br", "img", "table", "thead", "tbody", "tr", "th", "td",
+             "span", "div", "figure", "figcaption", "del", "s", "sup", "sub", "kbd", "details", "summary"}
+SAFE_ATTRIBUTES = {"*": {"id", "class", "title"}, "a": {"href"}, "img": {"src", "alt"},
+                   "th": {"style"}, "td": {"style"}, "ol": {"start"}}
+
+
+def inline(md: MarkdownIt, text: str) -> str:
+    """One line of Markdown (a title, a table cell), rendered, through the allow-list."""
+    return safe_html(md.renderInline(text))
+
+
+def safe_html(fragment: str) -> str:
+    """Rendered Markdown through the allow-list; table cells keep their text-align only."""
+    return nh3.clean(fragment, tags=SAFE_TAGS, attributes=SAFE_ATTRIBUTES, link_rel=None,
+                     url_schemes={"http", "https", "mailto"}, filter_style_properties={"text-align"})
 WORDS = {
     "en": dict(course="The course", glossary="Glossary", teaching="Teaching guide",
                performance="Performance", other="中文", prev="Previous", next="Next",
@@ -333,7 +355,7 @@ class Site:
                         child.attrSet("class", "term")
                 elif child.type == "image":
                     child.attrSet("src", self.link(child.attrGet("src") or "", source, page)[0])
-        return md.renderer.render(tokens, md.options, {})
+        return safe_html(md.renderer.render(tokens, md.options, {}))  # the docs' raw HTML too
 
     def highlight_fence(self, code: str, lang: str, _attrs) -> str:
         name = {"": "text", "mermaid": "text", "sh": "bash"}.get(lang, lang)
@@ -495,9 +517,9 @@ class Site:
         source = zh_teaching if lang == "zh" and zh_teaching.exists() else teaching
         header = teaching_header(source) if source.exists() else []
         rows = teaching_table(source) if source.exists() else {}
-        md = MarkdownIt("commonmark")
+        md = MarkdownIt("commonmark")  # renders raw HTML: each piece goes through safe_html
         head = header[1:5] if len(header) >= 5 else ["topic", "class time", "prerequisites", "processes"]
-        cells = "".join(f"<th>{md.renderInline(h)}</th>" for h in [header[0] if header else "lesson", *head[1:]])
+        cells = "".join(f"<th>{inline(md, h)}</th>" for h in [header[0] if header else "lesson", *head[1:]])
         trs = []
         for lesson in self.lessons:
             doc = lesson.docs[lang]
@@ -506,7 +528,7 @@ class Site:
             link = lesson.page
             row = rows.get(lesson.number)
             if row and len(row) >= 5:
-                topic, time, prereq, procs = (md.renderInline(c) for c in row[1:5])
+                topic, time, prereq, procs = (inline(md, c) for c in row[1:5])
                 prereq = re.sub(r"\b(\d\d)\b", lambda m: (f'<a href="{self.by_number[m[1]].page}">{m[1]}</a>'
                                                             if m[1] in self.by_number else m[1]), prereq)
             else:
@@ -514,7 +536,7 @@ class Site:
             diff = (f' <a class="diff" href="{lesson.diff_page}">diff</a>'
                     if lesson.parent and lesson.parent in self.by_number else "")
             trs.append(f'<tr><td class="num">{lesson.number}</td><td><a href="{link}">'
-                       f'{md.renderInline(name)}</a>{diff}<div class="topic">{topic}</div></td>'
+                       f'{inline(md, name)}</a>{diff}<div class="topic">{topic}</div></td>'
                        f'<td data-label="{html.escape(head[1])}">{time}</td>'
                        f'<td data-label="{html.escape(head[2])}">{prereq}</td>'
                        f'<td data-label="{html.escape(head[3])}">{procs}</td></tr>')
