@@ -101,9 +101,9 @@ distclean: clean
 docs-output: $(STAMP)  ## regenerate the real output pasted into docs/*.md
 	$(PY) tools/doc_output.py $(DOCS)
 
-diff: $(STAMP)  ## what a lesson adds to its parent: make diff TO=14 (or FROM=04 TO=05)
+diff: $(STAMP)  ## what a lesson adds to its parent: make diff TO=14 (or FROM=04 TO=05; ARGS=--all)
 	@if [ -z "$(TO)" ]; then echo "error: name the lesson, e.g. make diff TO=14 (its parent is found), or make diff FROM=04 TO=05" >&2; exit 2; fi
-	@$(PY) tools/lesson_diff.py "$(FROM)" $(TO)
+	@$(PY) tools/lesson_diff.py "$(FROM)" $(TO) $(ARGS)
 
 bench: $(STAMP)  ## measured performance: runs/bench/ (results.json, tables, plots, this machine's PERFORMANCE.md)
 	$(PY) -m bench.run $(ARGS)

@@ -7,7 +7,6 @@ common/ (it imports common/ and itself, nothing else of ours).
     memory.py       bytes of parameters, gradients, optimizer state and activations
     sharding.py     what a rank of a sharded job holds and sends (lessons 15, 16, 19)
     state_dicts.py  loading a state_dict across wrappers (lesson 09's lesson, used since)
-    ranks.py        run_ranks: N ranks in a gloo group, for the checks, bench/ and tests
 
 What serves one lesson only lives in that lesson's folder (lessons/NN_topic/), beside it.
 """

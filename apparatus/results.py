@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from apparatus.state_dicts import unwrap  # lesson 09 explains the wrappers
-from common import recipe
+from common import max_abs_diff  # noqa: F401  (the lessons import it from here, with the rest)
 from common.cli import ROOT, fail
 
 try:  # POSIX (Linux, macOS)
@@ -205,33 +205,6 @@ def make_metrics(*, lesson: str, world_size: int, backend: str, device: str,
         "samples_per_second": round(samples / wall_seconds, 1) if wall_seconds > 0 else None,
         **extra,
     }
-
-
-def timed_single_process(seed: int, epochs: int, data, device, threads: int):
-    """Lesson 01's loop (recipe) in this process with `threads` CPU threads: (weights,
-    samples/s). Lesson 05 compares its ranks with it: the same cores, the same work."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        # warm up first (the first forward/backward allocates and initialises), as the
-        # ranks did in their Step 5, so that neither side pays it inside the timing
-        x, y = data.train.tensors
-        model = recipe.make_model(seed, data.in_features, data.classes).to(device)
-        torch.nn.functional.cross_entropy(model(x[:recipe.GLOBAL_BATCH].to(device)),
-                                          y[:recipe.GLOBAL_BATCH].to(device)).backward()
-        start = time.perf_counter()
-        weights = recipe._train_reference(seed, epochs, data, device)  # noqa: SLF001
-        seconds = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(old)
-    return weights, epochs * len(data.train) / max(seconds, 1e-9)
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest absolute difference between two state_dicts with the same keys."""
-    if a.keys() != b.keys():
-        raise KeyError(f"different keys: {sorted(a.keys() ^ b.keys())}")
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def shown(path: Path) -> str:

@@ -17,7 +17,6 @@ import math
 
 import torch
 
-from apparatus.results import max_abs_diff
 from common import transformer as T
 
 KEYS = ("parameters", "gradients", "optimizer_state")
@@ -175,23 +174,3 @@ def report_bytes(ui, model, optimizer, strategy: str) -> dict:
               + [f"{sum(h.values()):,} / {sum(f.values()):,}"] for r, (h, f) in enumerate(everyone)])
     return {"per_rank_bytes": mine[0],
             "per_rank_bytes_all": [{"measured": h, "formula": f} for h, f in everyone]}
-
-
-def compare_with_lesson_13(ui, state: dict, seed: int, steps: int, world: int) -> tuple[float, float]:
-    """max |w - w_13| of a run on `world` ranks, and the floor: one process summing each
-    batch in `world` chunks, as the ranks do (common/transformer.py's train_reference)."""
-    reference = T.train_reference(seed, steps)["state"]
-    diff = max_abs_diff(state, reference)
-    gap = max_abs_diff(T.train_reference(seed, steps, chunks=world)["state"], reference)
-    ui.print(f"same weights as lesson 13? max |w - w_13| = [bold]{diff:.1e}[/bold] (the floor, "
-             f"one process summing each batch in {world} chunks: {gap:.1e}; allowed 1e-3)")
-    return diff, gap
-
-
-def mean_over_ranks(values: list[float]) -> list[float]:
-    """Each rank's loss is the mean over its rows: the batch's loss is the mean of the ranks'."""
-    import torch.distributed as dist
-
-    total = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(total)
-    return (total / dist.get_world_size()).tolist()

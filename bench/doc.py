@@ -222,11 +222,11 @@ def _render(results: dict, images: dict, note: str | None) -> str:
             L("* The data is the recipe's synthetic set, sliced per rank before the clock "
               "starts: data loading is not part of any number here.",
               "* 数据是配方的合成数据集，在开始计时之前就按秩切好：这里的任何数字都不包含数据加载。"),
-            L("* All CPU ranks start once (apparatus/ranks.py's `run_ranks`, gloo); a benchmark on n ranks uses a "
+            L("* All CPU ranks start once (common/distributed.py's `run_ranks`, gloo); a benchmark on n ranks uses a "
               "subgroup of the first n, while the others sleep at a barrier without using a "
               "core. Sections 6-8 start their own 1 and then 2 ranks the same way: the "
               "lessons' code they reuse talks to the whole world (the default group).",
-              "* 所有 CPU 秩只启动一次（apparatus/ranks.py 的 `run_ranks`，gloo）；在 n 个秩上的基准使用前 n 个秩组成的子组，"
+              "* 所有 CPU 秩只启动一次（common/distributed.py 的 `run_ranks`，gloo）；在 n 个秩上的基准使用前 n 个秩组成的子组，"
               "其余的秩在屏障处休眠，不占用核心。第 6-8 节用同样的方式各自先启动 1 个、再启动 2 个秩："
               "它们复用的课程代码与整个进程组（默认组）通信。"),
             ""]

@@ -1,6 +1,6 @@
 """What every rank of the benchmark runs. bench/run.py starts the ranks and reads the results.
 
-One start (apparatus/ranks.py's run_ranks, the package's one way to start N ranks) brings up
+One start (common/distributed.py's run_ranks, the package's one way to start N ranks) brings up
 all CPU ranks once (starting a process that imports torch costs seconds, so the suite does it
 once, not once per benchmark). Each benchmark then runs
 on a *subgroup* of the first n ranks; the other ranks wait at a barrier, which sleeps in
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import importlib.util
 import itertools
 import statistics
 import time
@@ -40,8 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from apparatus.comm import CommLog, counted_ddp
 from apparatus.ui import UI
-from common import recipe
-from common.cli import ROOT
+from common import lesson_module, recipe
 from common.distributed import env_store  # gpu_worker's group (MASTER_*: set by run_ranks)
 
 FLOAT_BYTES = 4
@@ -452,17 +450,15 @@ def load_lesson_10():
 
     Its name starts with a digit, so `import` cannot name it; importlib loads it by path.
     """
-    path = next((ROOT / "lessons").glob("10_*.py"), None)
-    if path is None:
-        raise RuntimeError("lessons/10_*.py not found: the all-reduce benchmark imports its "
-                           "ring and parameter-server algorithms")
-    spec = importlib.util.spec_from_file_location("lesson10_allreduce", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        module = lesson_module("10")
+    except ImportError as exc:
+        raise RuntimeError(f"{exc}: the all-reduce benchmark imports its ring and "
+                           f"parameter-server algorithms") from None
     missing = [name for name in ("Wire", "ring_all_reduce", "server_all_reduce",
                                  "ring_bytes", "server_bytes") if not hasattr(module, name)]
     if missing:
-        raise RuntimeError(f"{path.name} no longer defines {', '.join(missing)}, which the "
+        raise RuntimeError(f"lessons/10_allreduce_algorithms.py no longer defines {', '.join(missing)}, which the "
                            f"all-reduce benchmark imports; update bench/measure.py")
     return module
 

@@ -16,7 +16,7 @@ repetition of each per round, the order reversed every other round.
     pipeline  lesson 18's four schedules on 2 ranks: time per step beside the idle share the
               schedule's own timeline predicts (lessons/18_pipeline_schedules/pipeline.py)
 
-The ranks start the suite's one way (bench/run.py spawn_ranks, which is apparatus/ranks.py's
+The ranks start the suite's one way (bench/run.py spawn_ranks, which is common/distributed.py's
 run_ranks); this world is the whole job, so
 the lessons' code, which uses the default group, runs as the lessons run it. The model, the
 layers that split it and the schedules are the lessons' own, imported and not copied.
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import gc
 import sys
-import importlib.util
 import time
+from pathlib import Path
 import warnings
 
 import torch
@@ -37,6 +37,7 @@ from apparatus import sharding
 from apparatus.comm import CommLog, route_ddp_through_python
 from bench.measure import Ctx, summary
 from common import transformer as T
+from common import lesson_module
 from common.cli import ROOT
 
 sys.path[1:1] = [str(ROOT / "lessons" / d) for d in ("17_tensor_parallel", "18_pipeline_schedules")]
@@ -65,16 +66,14 @@ def make_plan(quick: bool) -> dict:
 
 def load_lesson(number: str, needed: tuple[str, ...]):
     """A lesson file as a module (its name starts with a digit, so `import` cannot name it)."""
-    path = next((ROOT / "lessons").glob(f"{number}_*.py"), None)
-    if path is None:
-        raise RuntimeError(f"lessons/{number}_*.py not found: bench/part2.py imports it")
-    spec = importlib.util.spec_from_file_location(f"lesson{number}_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        module = lesson_module(number)
+    except ImportError as exc:
+        raise RuntimeError(f"{exc}: bench/part2.py imports it") from None
     missing = [n for n in needed if not hasattr(module, n)]
     if missing:
-        raise RuntimeError(f"{path.name} no longer defines {', '.join(missing)}, which "
-                           f"bench/part2.py imports; update it")
+        raise RuntimeError(f"{Path(module.__file__).name} no longer defines {', '.join(missing)}, "
+                           f"which bench/part2.py imports; update it")
     return module
 
 
@@ -218,7 +217,7 @@ def _block_replay(block_calls: list, counts: dict) -> list[tuple[str, int]]:
 def tp(ctx: Ctx, n: int, cfg: dict, lesson) -> dict:
     """Every variant built, warmed up and counted (lesson 17's own report()), then the steps of
     all variants and of one unsplit process timed in turn, and so are the replays."""
-    import tensor_parallel as A  # lesson 17's companion (lessons/17_tensor_parallel/)
+    import tensor_parallel  # lesson 17's companion (lessons/17_tensor_parallel/)
 
     data = batches(0, 1)  # tensor parallel splits the model, not the data: the whole batch
     last = f".blocks.{T.N_BLOCKS - 1}"
@@ -242,7 +241,7 @@ def tp(ctx: Ctx, n: int, cfg: dict, lesson) -> dict:
         log = CommLog(modules=True)  # one whole step: forward, backward, the sum, AdamW's step
         with log.recording():
             step(1)
-        counts = A.report(log, 1, model, _Quiet())  # lesson 17's Step 6, by phase and per block
+        counts = tensor_parallel.report(log, 1, model, _Quiet())  # lesson 17's Step 6, by phase and per block
         block = [c for c in log.calls if any(m.endswith(last) for m in c.modules)]
         name = _name({"impl": impl, "sequence_parallel": sp})
         found[name] = (impl, sp, counts, log.calls)

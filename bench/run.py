@@ -31,7 +31,7 @@ import torch
 
 from common.cli import ROOT, LessonParser, fail, positive_float, positive_int, run
 from common.processes import supervise
-from apparatus.ranks import RankFailed, run_ranks
+from common.distributed import RankFailed, run_ranks
 from apparatus.results import atomic_write, shown
 from apparatus.ui import UI
 
@@ -148,7 +148,7 @@ def load_average() -> list[float] | None:
 
 def spawn_ranks(worker, world: int, plan: dict, backend: str | None = "gloo") -> dict:
     """worker(rank, world, plan) on `world` new ranks in a `backend` group (None: the worker
-    joins one itself) with apparatus/ranks.py's run_ranks, the package's one way to start
+    joins one itself) with common/distributed.py's run_ranks, the package's one way to start
     ranks: what rank 0 returned. A failing rank is one line."""
     try:
         with supervise():  # Ctrl-C, SIGTERM, SIGHUP: every rank stopped, then one line

@@ -4,7 +4,8 @@ itself. The first five are what a learner meets; each is short enough to read in
     cli.py          flags every lesson shares, one-line errors instead of tracebacks
     device.py       --device auto|cpu|cuda and the matching backend (nccl / gloo)
     distributed.py  the rendezvous store on loopback, process groups with a timeout,
-                    starting N ranks (spawn) and a clean teardown
+                    starting N ranks (spawn; run_ranks, in a gloo group, for the checks,
+                    bench/ and the tests) and a clean teardown
     recipe.py       Part 1's recipe (lesson 01): data, model, optimizer, sample order,
                     and its one world-size rule
     transformer.py  Part 2's recipe (lesson 13): a small transformer, its data, its
@@ -40,6 +41,37 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.access(ROOT, os.W_OK):
 # lines about the profiler itself, not the job (lesson 20, check-20). Level 6 keeps them
 # out; set KINETO_LOG_LEVEL=0 to see them. Read when a trace starts, so set here is in time.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+def lesson_module(number: str):
+    """Lesson NN's file as a module, for the tools, bench/, the exercises and the tests that
+    use what a lesson defines (lesson 15's ShardedOptimizer, lesson 10's ring). A lesson's
+    name starts with digits, so `import` cannot name it; its main() does not run (every
+    lesson guards it with `if __name__ == "__main__"`). Loaded once per process."""
+    import importlib.util
+
+    name = f"lesson_{number}"
+    if name not in sys.modules:
+        path = next((ROOT / "lessons").glob(f"{number}_*.py"), None)
+        if path is None:
+            raise ImportError(f"there is no lessons/{number}_*.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before it runs: a class it defines may be pickled by name
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two state_dicts with the same keys: how every
+    lesson compares its weights with its baseline's."""
+    if a.keys() != b.keys():
+        raise KeyError(f"different keys: {sorted(a.keys() ^ b.keys())}")
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

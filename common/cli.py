@@ -70,7 +70,7 @@ def lesson_parser(doc: str | None, *, recipe: bool = True, distributed: bool = F
     distributed: --timeout and --master-port for lessons that start a process group
     world_size:  add --world-size with this default
     """
-    from common import recipe as r  # late import keeps `--help` fast
+    from common.recipe import EPOCHS, SEED  # late import keeps `--help` fast
 
     first_line = (doc or "").strip().splitlines()[0] if doc else None
     parser = LessonParser(description=first_line,
@@ -82,9 +82,9 @@ def lesson_parser(doc: str | None, *, recipe: bool = True, distributed: bool = F
     parser.add_argument("--step", action="store_true",
                         help="pause after each step until Enter (only when stdin is a terminal)")
     if recipe:
-        parser.add_argument("--epochs", type=positive_int, default=r.EPOCHS,
+        parser.add_argument("--epochs", type=positive_int, default=EPOCHS,
                             help="passes over the training set")
-        parser.add_argument("--seed", type=seed_number, default=r.SEED,
+        parser.add_argument("--seed", type=seed_number, default=SEED,
                             help="seed for the initial weights and the sample order")
         parser.add_argument("--dataset", choices=["synthetic", "mnist", "cifar10"],
                             default="synthetic",

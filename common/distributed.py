@@ -233,6 +233,39 @@ def spawn(fn, args: tuple, nprocs: int) -> None:
         fail(f"rank {exc.rank} died ({how}); {left}", code=1)
 
 
+RUN_RANKS_PRELOAD = ["torch", "torch.distributed", "common.recipe"]  # imported once, by the fork server
+
+
+def _rank_in_group(rank: int, world: int, port: int, backend: str | None, group_timeout_s: float,
+                   target, args: tuple):
+    """One rank of run_ranks: join the group (a store on 127.0.0.1:port), then run target."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = LOOPBACK, str(port)
+    if backend is not None:
+        dist.init_process_group(backend, store=env_store(rank, world, group_timeout_s),
+                                rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=group_timeout_s))
+    return target(rank, world, *args)
+
+
+def run_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None = 120,
+              group_timeout_s: float = 20, backend: str | None = "gloo",
+              threads: int | None = 1) -> list:
+    """target(rank, world, *args) on `world` new processes in a gloo group: what each returned,
+    by rank. How the exercise checks, bench/ and the tests start ranks (the lessons use spawn,
+    above; both are start_ranks underneath).
+
+    Each rank joins a group whose store listens on 127.0.0.1 only, on a free port (backend
+    None: target joins one itself; MASTER_ADDR and MASTER_PORT are set for env_store), with
+    a timeout on every collective (group_timeout_s) and on the whole run, start-up included
+    (timeout_s; None: no limit). threads: torch threads per rank (None: torch's default).
+    Raises RankFailed for the first rank that raised, died or did not finish in time, after
+    stopping the others; KeyboardInterrupt (also for SIGTERM and SIGHUP) after stopping every
+    rank. The ranks die with their parent, and a rank still alive at the end is killed.
+    """
+    return start_ranks(_rank_in_group, world, (free_port(), backend, group_timeout_s, target, args),
+                       timeout_s=timeout_s, threads=threads, preload=RUN_RANKS_PRELOAD)
+
+
 def say_each(ui, message: str) -> None:
     """Every rank's line, printed by rank 0 in rank order, each under `[rank N]`.
 

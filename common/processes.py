@@ -1,6 +1,6 @@
 """Starting ranks, and nobody outliving the job: the process plumbing behind the lessons'
-spawn (common/distributed.py), run_ranks (apparatus/ranks.py: the checks, bench/, the
-tests) and tools/nodes.py. No lesson's idea (lesson 05 teaches mp.spawn itself), so the
+spawn and run_ranks (common/distributed.py: the lessons; the checks, bench/ and the tests)
+and tools/nodes.py. No lesson's idea (lesson 05 teaches mp.spawn itself), so the
 lessons call it through spawn.
 
 * `start_ranks`: the one way the package starts N ranks and gets back what each returns,

@@ -7,6 +7,7 @@ divides by 1, 2, 3 and 4 and the training set (3072 = 96 x 32) by it: no rank is
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,3 +187,22 @@ def _train_reference(seed: int, epochs: int, data: Data, device: torch.device,
             loss.backward()
             optimizer.step()
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def timed_single_process(seed: int, epochs: int, data, device, threads: int):
+    """Lesson 01's loop (recipe) in this process with `threads` CPU threads: (weights,
+    samples/s). Lesson 05 compares its ranks with it: the same cores, the same work."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        # warm up first (the first forward/backward allocates and initialises), as the
+        # ranks did in their Step 5, so that neither side pays it inside the timing
+        x, y = data.train.tensors
+        model = make_model(seed, data.in_features, data.classes).to(device)
+        F.cross_entropy(model(x[:GLOBAL_BATCH].to(device)), y[:GLOBAL_BATCH].to(device)).backward()
+        start = time.perf_counter()
+        weights = _train_reference(seed, epochs, data, device)
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(old)
+    return weights, epochs * len(data.train) / max(seconds, 1e-9)

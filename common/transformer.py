@@ -12,6 +12,14 @@ lesson 13's weights (within 1e-3, printed beside the floor that float rounding a
     T.floor_gap(loss)                          # "+0.0374 from the floor 0.7809 ..." to print
     T.train_reference(seed, steps, chunks=N)   # {"state": final weights, "losses": tensor}
 
+and what every Part 2 lesson measures against lesson 13, written once (lesson 13 shows each
+inline first):
+
+    held_out, accuracy = T.evaluate(model, steps, seed, device)   # lesson 13's Step 5
+    compared = T.compare_with_lesson_13(state, seed, steps, chunks=N)  # the two metrics keys
+    T.weights_gap(compared)                    # "max |w - w_13| = 3.1e-06 (floor ...)" to print
+    T.mean_over_ranks(losses)                  # the global batch's loss from the ranks' means
+
 Parameter names let tensor parallelism split by name: tok_emb, pos_emb, blocks.<i>.{norm1,
 attn.{q, k, v, proj}, norm2, mlp.{fc, proj}}, norm, head (q, k, v are separate, so a column
 split gives each rank whole heads). model.blocks is an nn.ModuleList: FSDP2 wraps each block,
@@ -31,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import ROOT, fail
+from common import ROOT, fail, max_abs_diff
 
 SEED = 0              # initial weights and the batches
 STEPS = 120           # optimizer steps
@@ -282,3 +290,55 @@ def floor_gap(loss: float) -> str:
     floor = loss_floor()
     return f"{loss - floor:+.4f} from the floor {floor:.4f} nats/token (entropy rate {entropy_rate():.4f})"
 
+
+# --- what every Part 2 lesson measures against lesson 13 ----------------------------------
+
+HELD_OUT_BATCHES = 8  # the batches right after the training ones: no step trained on them
+
+
+def evaluate(forward, steps: int, seed: int, device, positions=None) -> tuple[float, float]:
+    """Lesson 13's Step 5, as every Part 2 lesson runs it: the mean loss_fn and next-token
+    accuracy of forward(x) (a model, or any callable giving logits) over the HELD_OUT_BATCHES
+    batches after the `steps` training ones. positions: the token positions this rank holds
+    (context parallel, lesson 21), None for whole rows. This rank's numbers: where ranks see
+    different tokens, mean_over_ranks gives the whole batch's."""
+    held_out, accuracy = 0.0, 0.0
+    with torch.no_grad():
+        for i in range(HELD_OUT_BATCHES):
+            x, y = batch(steps + i, seed)
+            if positions is not None:
+                x, y = x[:, positions], y[:, positions]
+            y = y.to(device)
+            logits = forward(x.to(device))
+            held_out += loss_fn(logits, y).item() / HELD_OUT_BATCHES
+            accuracy += (logits.argmax(-1) == y).float().mean().item() / HELD_OUT_BATCHES
+    return held_out, accuracy
+
+
+def mean_over_ranks(values: list[float]) -> list[float]:
+    """Each rank's loss is the mean over its equal share of the batch, so the batch's loss is
+    the mean of the ranks' (summed in float64, in rank order by the all-reduce)."""
+    import torch.distributed as dist
+
+    total = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
+
+
+def compare_with_lesson_13(state: dict, seed: int, steps: int, chunks: int) -> dict:
+    """How far a parallel run's final weights are from lesson 13's, and the floor for it:
+    lesson 13's run with each batch summed in `chunks` pieces, as the ranks (or micro-batches)
+    sum it, where float rounding alone moves the weights (train_reference). The two keys
+    every Part 2 lesson's metrics.json carries."""
+    reference = train_reference(seed, steps)["state"]
+    floor = max_abs_diff(train_reference(seed, steps, chunks=chunks)["state"], reference)
+    return {"max_abs_diff_vs_single_device": max_abs_diff(state, reference),
+            "max_abs_diff_floor": floor, "floor_chunks": chunks}
+
+
+def weights_gap(compared: dict) -> str:
+    """'max |w - w_13| = 3.1e-06 (floor 2.9e-06: lesson 13 summing each batch in 2 chunks;
+    allowed 1e-3)', from compare_with_lesson_13, to print."""
+    return (f"max |w - w_13| = {compared['max_abs_diff_vs_single_device']:.1e} (floor "
+            f"{compared['max_abs_diff_floor']:.1e}: lesson 13 summing each batch in "
+            f"{compared['floor_chunks']} chunks; allowed 1e-3)")

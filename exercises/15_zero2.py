@@ -22,7 +22,6 @@ Check it:  make check-15   (3 ranks on gloo, a small model with a tied weight an
                             layer, 3 AdamW steps, compared with one process; the peak of one
                             step measured by torch's MemTracker beside ShardedOptimizer's)
 """
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -31,13 +30,11 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 try:  # make check-15 has put the repository on sys.path, wherever this file is
-    from common import ROOT
+    from common import lesson_module
 except ImportError:  # this file run on its own, from exercises/
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from common import ROOT
-_spec = importlib.util.spec_from_file_location("lesson_15", next((ROOT / "lessons").glob("15_*.py")))
-lesson_15 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lesson_15)  # its main() does not run: only the classes are defined
+    from common import lesson_module
+lesson_15 = lesson_module("15")  # its main() does not run: only the classes are defined
 sharded = lesson_15.sharded  # flat_row, pieces: lessons/15_zero_fsdp/sharded.py
 
 

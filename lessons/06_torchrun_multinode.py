@@ -38,8 +38,7 @@ from common.cli import fail, lesson_parser, nonnegative_int, run
 from common.device import backend_for, plan_device, rank_device, share_cpu
 from common.distributed import die_with_parent, env_store, free_port, say_each
 from common.processes import error_file_whole
-from apparatus.results import (claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown,
-                            timed_single_process)
+from apparatus.results import (claim_out, make_metrics, max_abs_diff, out_dir, save_results, shown)
 from apparatus.ui import UI, Timer
 
 # More ranks than this on one machine teach nothing but waiting; and each rank is a whole
@@ -196,7 +195,7 @@ def main() -> None:
         # Lesson 01's loop in this process, with as many threads as all ranks had together
         # (or on this rank's GPU): the same weights, and a fair speed to compare with
         threads = torch.get_num_threads() * world_size
-        reference, one_rate = timed_single_process(args.seed, args.epochs, data, device, threads)
+        reference, one_rate = recipe.timed_single_process(args.seed, args.epochs, data, device, threads)
         diff = max_abs_diff(weights, reference)
         accuracy = recipe.accuracy(ddp_model.module, data.test, device)
         save_results(folder, weights, make_metrics(

@@ -45,7 +45,7 @@ from common.processes import error_file_whole
 from elastic import (SNAPSHOT_FORMAT, Ledger, fail_plan, kill_myself, nonnegative_float,
                                read_snapshot, resumed)
 from apparatus.results import (atomic_write, claim_out, make_metrics, max_abs_diff, out_dir,
-                               plain_state_dict, save_results, shown, timed_single_process)
+                               plain_state_dict, save_results, shown)
 from apparatus.ui import UI, Timer
 
 # More ranks than this on one machine teach nothing but waiting; and each rank is a whole
@@ -250,7 +250,7 @@ def main() -> None:
         # Lesson 01's loop in this process, with as many threads as all ranks had together
         # (or on this rank's GPU): the same weights, and a fair speed to compare with
         threads = torch.get_num_threads() * world_size
-        reference, one_rate = timed_single_process(args.seed, args.epochs, data, device, threads)
+        reference, one_rate = recipe.timed_single_process(args.seed, args.epochs, data, device, threads)
         diff = max_abs_diff(weights, reference)
         accuracy = recipe.accuracy(ddp_model.module, data.test, device)
         save_results(folder, weights, make_metrics(

@@ -45,9 +45,8 @@ import textwrap
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # so `import common` works
-sys.path.insert(0, str(HERE / "12_pitfalls"))  # the pitfall files, one per step 3-9
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
+sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 12_pitfalls/
 
 import torch
 import torch.distributed as dist

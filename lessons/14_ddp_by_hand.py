@@ -109,7 +109,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
     if device.type == "cpu":
         torch.set_num_threads(1)
-    torch.cuda.set_device(device) if device.type == "cuda" else None  # NCCL: our GPU, no other
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL: our GPU, no other
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun would set them
     init_from_env(backend_for(device), args.timeout, device)  # lesson 05's init_process_group
     ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
@@ -175,13 +176,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
     # by luck); how close we got is the number to watch in every later lesson too.
     ui.step(5, "Evaluate against the floor")
-    held_out, accuracy = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(8):
-            x, y = (t.to(device) for t in T.batch(args.steps + i, args.seed))
-            logits = model(x)
-            held_out += T.loss_fn(logits, y).item() / 8
-            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
+    held_out, accuracy = T.evaluate(model, args.steps, args.seed, device)  # as lesson 13's Step 5
     ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
@@ -200,10 +195,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
         return
-    reference, chunked = (T.train_reference(args.seed, args.steps, chunks=c)["state"] for c in (1, world))
-    diff, chunk_floor = max_abs_diff(final_state, reference), max_abs_diff(chunked, reference)
-    ui.print(f"same weights as lesson 13? max |w - w_13| = [bold]{diff:.1e}[/bold] (floor {chunk_floor:.1e}, "
-             f"allowed 1e-3); max |w - w_torch_ddp| = {diff_torch:.1e}")
+    compared = T.compare_with_lesson_13(final_state, args.seed, args.steps, chunks=world)
+    ui.print(f"same weights as lesson 13? {T.weights_gap(compared)}; max |w - w_torch_ddp| = {diff_torch:.1e}")
 
     # Step 7: Save the results
     # Lesson 13's keys, plus what Step 6 counted and compared.
@@ -215,8 +208,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
         loss_floor=floor, bucket_mb=mb,
-        comm={name: summary for name, (summary, _) in runs.items()}, max_abs_diff_floor=chunk_floor,
-        max_abs_diff_vs_single_device=diff, max_abs_diff_vs_torch_ddp=diff_torch, **peaks))
+        comm={name: summary for name, (summary, _) in runs.items()}, **compared,
+        max_abs_diff_vs_torch_ddp=diff_torch, **peaks))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
 

@@ -113,18 +113,12 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
 
     # Step 2: Make the data
-    # Sequences from an order-2 Markov chain: the next token depends on the previous two,
-    # so the model must use attention to see them. We know the chain's transition table,
-    # so we can compute the best loss any model could reach: the floor.
+    # Lesson 13's batches (its Step 2 shows them and their floor): rank r trains on rows
+    # [r B/N, (r+1) B/N) of each, so the N ranks together see the whole batch.
     ui.step(2, "Make the data")
-    x, y = T.batch(0, args.seed)
-    ui.print(f"{T.VOCAB} tokens; one global batch = {tuple(x.shape)} inputs and "
-             f"{tuple(y.shape)} targets (the inputs shifted by one)")
-    for row in (0, 1):  # some pairs of tokens are almost always followed by the same token
-        ui.print(f"row {row}: {x[row, :12].tolist()} ... -> targets {y[row, :12].tolist()} ...")
     floor = T.loss_floor()
-    ui.print(f"loss of uniform guessing: ln {T.VOCAB} = {torch.tensor(T.VOCAB).log():.4f}; "
-             f"the floor (best possible): {floor:.4f} nats/token")
+    ui.print(f"lesson 13's batches: {T.GLOBAL_BATCH} sequences of {T.SEQ} tokens per step, "
+             f"{T.GLOBAL_BATCH // world} on each of the {world} ranks; the floor {floor:.4f} nats/token")
 
     # Step 3: Build the model, then shard it (--strategy)
     ui.step(3, "Build the model, then shard it (--strategy)")
@@ -173,19 +167,13 @@ def worker(rank: int, world: int, args, kind: str) -> None:
                          f"{timer.rate((step + 1) * x.numel()):>9,.0f} tokens/s")
     wall = timer.seconds
     final_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    losses = sharding.mean_over_ranks(losses)
+    losses = T.mean_over_ranks(losses)
 
     # Step 5: Evaluate against the floor
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
     # by luck); how close we got is the number to watch in every later lesson too.
     ui.step(5, "Evaluate against the floor")
-    held_out, accuracy = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(8):
-            x, y = (t.to(device) for t in T.batch(args.steps + i, args.seed))
-            logits = model(x)
-            held_out += T.loss_fn(logits, y).item() / 8
-            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
+    held_out, accuracy = T.evaluate(model, args.steps, args.seed, device)  # as lesson 13's Step 5
     ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
@@ -209,12 +197,13 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     del train_model, optimizer
     if rank != 0:  # rank 0 alone writes
         return teardown()
-    diff, gap = sharding.compare_with_lesson_13(ui, final_state, args.seed, args.steps, world)
+    compared = T.compare_with_lesson_13(final_state, args.seed, args.steps, chunks=world)
+    ui.print(f"same weights as lesson 13? {T.weights_gap(compared)}")
     save_results(folder, final_state, make_metrics(
         lesson="15", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, max_abs_diff_vs_single_device=diff, chunked_floor=gap, **comm, **per_rank, **peaks))
+        loss_floor=floor, **compared, **comm, **per_rank, **peaks))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
     teardown()

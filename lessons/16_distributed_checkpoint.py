@@ -161,20 +161,14 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     peaks = report_peak(ui, peak, sum(sharding.held_bytes(model, optimizer).values()))  # every rank's
     resharded = checkpointing.show_resharding(ui, model)  # which groups freed their gathered weights
     final_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    losses = sharding.mean_over_ranks(losses)
+    losses = T.mean_over_ranks(losses)
     ref = checkpointing.show_losses(ui, losses, start, end, args.seed, args.steps, log_every)
 
     # Step 5: Evaluate against the floor
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
     # by luck); how close we got is the number to watch in every later lesson too.
     ui.step(5, "Evaluate against the floor")
-    held_out, accuracy = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(8):
-            x, y = (t.to(device) for t in T.batch(args.steps + i, args.seed))
-            logits = model(x)
-            held_out += T.loss_fn(logits, y).item() / 8
-            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
+    held_out, accuracy = T.evaluate(model, args.steps, args.seed, device)  # as lesson 13's Step 5
     ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
@@ -216,12 +210,13 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     # final_state is the full state dict gathered to rank 0's CPU: a plain model loads it.
     # Lesson 13's weights within 1e-3, beside the floor: one process in N chunks, as N ranks.
     ui.step(9, "Compare with lesson 13, save the results")
-    diff, gap = sharding.compare_with_lesson_13(ui, final_state, args.seed, args.steps, world)
+    compared = T.compare_with_lesson_13(final_state, args.seed, args.steps, chunks=world)
+    ui.print(f"same weights as lesson 13? {T.weights_gap(compared)}")
     save_results(folder, final_state, make_metrics(
         lesson="16", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, max_abs_diff_vs_single_device=diff, chunked_floor=gap, start_step=start, reference_losses=ref,
+        loss_floor=floor, **compared, start_step=start, reference_losses=ref,
         resharded_after_forward=resharded, **peaks))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")

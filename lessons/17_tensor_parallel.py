@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson
 import torch
 from torch.distributed.tensor import Replicate, Shard, init_device_mesh, parallel as tp
 
-import tensor_parallel as A
+import tensor_parallel
 from apparatus.comm import CommLog
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
@@ -44,7 +44,8 @@ def parse_args():
     parser.add_argument("--sequence-parallel", action="store_true", help="also split norms and residuals along the sequence")
     parser.add_argument("--use-local-output", action="store_true", help="DTensor's common mistake (Step 6): attention and MLP get plain tensors, q, k, v each sum their input's gradient")
     args = parser.parse_args()
-    parser.error("--use-local-output is a DTensor plan's setting: add --impl dtensor") if args.use_local_output and args.impl != "dtensor" else None
+    if args.use_local_output and args.impl != "dtensor":
+        parser.error("--use-local-output is a DTensor plan's setting: add --impl dtensor")
     T.check_world_size(args.world_size, "--world-size", divides={f"{T.N_HEADS} attention heads": T.N_HEADS, f"{T.SEQ} tokens": T.SEQ}, splits_batch=False)
     return args
 
@@ -62,9 +63,9 @@ class Comm(torch.autograd.Function):
 
 
 # (forward, backward): each pair's forward is the other's backward (collectives: tensor_parallel.py)
-PAIRS = {"f": (lambda x: x, A.all_reduce), "g": (A.all_reduce, lambda x: x),  # tensor parallel, and
-         "f_sp": (A.all_gather, A.reduce_scatter), "g_sp": (A.reduce_scatter, A.all_gather),  # sequence
-         "split": (A.split, A.all_gather), "gather": (A.all_gather, A.split)}  # parallel
+PAIRS = {"f": (lambda x: x, tensor_parallel.all_reduce), "g": (tensor_parallel.all_reduce, lambda x: x),  # tensor parallel, and
+         "f_sp": (tensor_parallel.all_gather, tensor_parallel.reduce_scatter), "g_sp": (tensor_parallel.reduce_scatter, tensor_parallel.all_gather),  # sequence
+         "split": (tensor_parallel.split, tensor_parallel.all_gather), "gather": (tensor_parallel.all_gather, tensor_parallel.split)}  # parallel
 
 
 def parallelize_by_hand(model, rank, world, sp):
@@ -113,7 +114,7 @@ def main() -> None:
 
 def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui = UI(rank, world, step_mode=args.step)
-    ui.title(f"Lesson 17: tensor parallel, {A.variant(args)}, on {world} processes" + (f" ({note})" if note else ""))
+    ui.title(f"Lesson 17: tensor parallel, {tensor_parallel.variant(args)}, on {world} processes" + (f" ({note})" if note else ""))
 
     # Step 1: Choose this rank's device and join the process group
     # One thread on the CPU: bitwise reproducible (the reference is computed the same way),
@@ -122,24 +123,19 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
     if device.type == "cpu":
         torch.set_num_threads(1)
-    torch.cuda.set_device(device) if device.type == "cuda" else None  # NCCL: our GPU, no other
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL: our GPU, no other
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun would set them
     init_from_env(backend_for(device), args.timeout, device)  # lesson 05's init_process_group
     ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
 
     # Step 2: Make the data
-    # Sequences from an order-2 Markov chain: the next token depends on the previous two,
-    # so the model must use attention to see them. We know the chain's transition table,
-    # so we can compute the best loss any model could reach: the floor.
+    # Lesson 13's batches (its Step 2 shows them and their floor). Every rank reads every
+    # row: what tensor parallel splits is each layer, not the batch.
     ui.step(2, "Make the data")
-    x, y = T.batch(0, args.seed)
-    ui.print(f"{T.VOCAB} tokens; one global batch = {tuple(x.shape)} inputs and "
-             f"{tuple(y.shape)} targets (the inputs shifted by one)")
-    for row in (0, 1):  # some pairs of tokens are almost always followed by the same token
-        ui.print(f"row {row}: {x[row, :12].tolist()} ... -> targets {y[row, :12].tolist()} ...")
     floor = T.loss_floor()
-    ui.print(f"loss of uniform guessing: ln {T.VOCAB} = {torch.tensor(T.VOCAB).log():.4f}; "
-             f"the floor (best possible): {floor:.4f} nats/token")
+    ui.print(f"lesson 13's batches: {T.GLOBAL_BATCH} sequences of {T.SEQ} tokens per step, "
+             f"all of them on every rank; the floor {floor:.4f} nats/token")
 
     # Step 3: Split each block across the ranks
     ui.step(3, "Split each block across the ranks")
@@ -160,7 +156,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     log_every = max(1, args.steps // 5)
     log, logged = CommLog(modules=True), range(log_every - 1, args.steps, log_every)  # the printed steps
     with ui.progress(args.steps, "training") as bar:
-        for step in A.recorded(range(args.steps), log, logged):  # CommLog slows every op: only these
+        for step in tensor_parallel.recorded(range(args.steps), log, logged):  # CommLog slows every op: only these
             x, y = T.batch(step, args.seed)
             x, y = x.to(device), y.to(device)
             loss = T.loss_fn(model(x), y)
@@ -175,41 +171,36 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
                 ui.print(f"step {step + 1:>4}/{args.steps} | loss {loss.item():.4f} | "
                          f"{timer.rate((step + 1) * x.numel()):>9,.0f} tokens/s")
     wall = timer.seconds
-    final_state = A.full_state_dict(model)  # the shards gathered, under lesson 13's names
+    final_state = tensor_parallel.full_state_dict(model)  # the shards gathered, under lesson 13's names
 
     # Step 5: Evaluate against the floor
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
     # by luck); how close we got is the number to watch in every later lesson too.
     ui.step(5, "Evaluate against the floor")
-    held_out, accuracy = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(8):
-            x, y = (t.to(device) for t in T.batch(args.steps + i, args.seed))
-            logits = model(x)
-            held_out += T.loss_fn(logits, y).item() / 8
-            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
+    held_out, accuracy = T.evaluate(model, args.steps, args.seed, device)  # as lesson 13's Step 5
     ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
 
     # Step 6: Count the collectives of one training step
     ui.step(6, "Count the collectives of one training step")
-    counts = A.report(log, len(logged), model, ui)  # forward, backward, after it (by hand), AdamW's step
+    counts = tensor_parallel.report(log, len(logged), model, ui)  # forward, backward, after it (by hand), AdamW's step
 
     # Step 7: Measure what sequence parallel saves
     ui.step(7, "Measure what sequence parallel saves")
-    saved = A.saved_activations(split_model, args.impl, rank, world, args, device, ui)  # for backward
+    saved = tensor_parallel.saved_activations(split_model, args.impl, rank, world, args, device, ui)  # for backward
 
     # Step 8: The sequence-parallel mistake
     ui.step(8, "The sequence-parallel mistake")  # a LayerNorm gradient from our tokens only (Step 4)
-    mistake = A.sequence_parallel_mistake(parallelize_by_hand, rank, world, args, device, ui)
+    mistake = tensor_parallel.sequence_parallel_mistake(parallelize_by_hand, rank, world, args, device, ui)
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
         return  # rank 0 compares and saves: the weights it gathered are everyone's
 
     # Step 9: Compare with lesson 13, save the results
     ui.step(9, "Compare with lesson 13, save the results")
-    diff, chunk_floor = A.compare_with_13(final_state, args.seed, args.steps, world, ui)  # max |w - w_13|
+    compared = T.compare_with_lesson_13(final_state, args.seed, args.steps, chunks=world)
+    ui.print(f"same weights as lesson 13? {T.weights_gap(compared)}")
     folder = out_dir("17", args.out)
     samples = args.steps * T.GLOBAL_BATCH
     save_results(folder, final_state, make_metrics(
@@ -217,7 +208,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
         loss_floor=floor, impl=args.impl, sequence_parallel=args.sequence_parallel,
-        **A.metrics(counts, saved, mistake, diff, chunk_floor)))
+        **tensor_parallel.metrics(counts, saved, mistake), **compared))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
 

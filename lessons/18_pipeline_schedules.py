@@ -34,7 +34,7 @@ from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
 from common.distributed import choose_port, init_from_env, say_each, spawn, teardown
-from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
+from apparatus.results import claim_out, make_metrics, out_dir, plain_state_dict, save_results, shown
 from apparatus.ui import UI, Timer
 
 # The interleaved ones hold 2 stages per rank: rank r runs stages r and r + P
@@ -104,7 +104,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
     if device.type == "cpu":
         torch.set_num_threads(1)
-    torch.cuda.set_device(device) if device.type == "cuda" else None  # NCCL: our GPU, no other
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL: our GPU, no other
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun would set them
     init_from_env(backend_for(device), args.timeout, device)  # lesson 05's init_process_group
     ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
@@ -170,13 +171,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
     # by luck); how close we got is the number to watch in every later lesson too.
     ui.step(5, "Evaluate against the floor")
-    held_out, accuracy = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(8):
-            x, y = (t.to(device) for t in T.batch(args.steps + i, args.seed))
-            logits = model(x)
-            held_out += T.loss_fn(logits, y).item() / 8
-            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
+    held_out, accuracy = T.evaluate(model, args.steps, args.seed, device)  # as lesson 13's Step 5
     ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
@@ -200,9 +195,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     # Step 7: Compare the weights with lesson 13's
     # The floor: lesson 13's run with each batch summed in M chunks, as the micro-batches sum it.
     ui.step(7, "Compare the weights with lesson 13's")
-    reference, chunked = (T.train_reference(args.seed, args.steps, chunks=c)["state"] for c in (1, args.microbatches))
-    diff, chunk_floor = max_abs_diff(final_state, reference), max_abs_diff(chunked, reference)
-    ui.print(f"max |w - w_13| = [bold]{diff:.1e}[/bold] (floor {chunk_floor:.1e}: lesson 13 in {args.microbatches} chunks)")
+    compared = T.compare_with_lesson_13(final_state, args.seed, args.steps, chunks=args.microbatches)
+    ui.print(f"same weights as lesson 13? {T.weights_gap(compared)}")
 
     # Step 8: Save the results
     # final.pt holds the gathered model under lesson 13's names: a plain model loads it.
@@ -213,7 +207,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
         loss_floor=floor, **metrics_of(runs, args.schedule, world, args.microbatches),
-        max_abs_diff_floor=chunk_floor, max_abs_diff_vs_single_device=diff))
+        **compared))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
 

@@ -146,19 +146,13 @@ def worker(rank: int, world: int, args, kind: str) -> None:
                          f"{timer.rate((step + 1) * x.numel()):>9,.0f} tokens/s")
     wall = timer.seconds
     final_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    losses = sharding.mean_over_ranks(losses)
+    losses = T.mean_over_ranks(losses)
 
     # Step 5: Evaluate against the floor
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
     # by luck); how close we got is the number to watch in every later lesson too.
     ui.step(5, "Evaluate against the floor")
-    held_out, accuracy = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(8):
-            x, y = (t.to(device) for t in T.batch(args.steps + i, args.seed))
-            logits = model(x)
-            held_out += T.loss_fn(logits, y).item() / 8
-            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
+    held_out, accuracy = T.evaluate(model, args.steps, args.seed, device)  # as lesson 13's Step 5
     ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
@@ -181,13 +175,14 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     del optimizer
     if rank != 0:  # rank 0 alone writes
         return teardown()
-    diff, gap = sharding.compare_with_lesson_13(ui, final_state, args.seed, args.steps, args.dp)
+    compared = T.compare_with_lesson_13(final_state, args.seed, args.steps, chunks=args.dp)  # tp ranks share rows
+    ui.print(f"same weights as lesson 13? {T.weights_gap(compared)}")
     save_results(folder, final_state, make_metrics(
         lesson="19", world_size=world, mesh_shape=[args.dp, args.tp], backend=backend_for(device),
         device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, max_abs_diff_vs_single_device=diff, chunked_floor=gap,
+        loss_floor=floor, **compared,
         **mesh_checks.metrics(comm, per_rank)))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")

@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson
 import torch
 import torch.distributed as dist
 
-import ring_attention as R
-import ring_measure as M
+import ring_attention
+import ring_measure
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, plan_device, rank_device
 from common.distributed import choose_port, init_from_env, spawn, teardown
-from apparatus.results import claim_out, make_metrics, max_abs_diff, out_dir, plain_state_dict, save_results, shown
+from apparatus.results import claim_out, make_metrics, out_dir, plain_state_dict, save_results, shown
 from apparatus.ui import UI, Timer
 
 LAYOUTS = ("contiguous", "balanced")
@@ -55,7 +55,7 @@ def context_parallel_attention(attn, x, ring):
     """Lesson 13's Attention.forward on our tokens, with the ring where SDPA was."""
     B, L, _ = x.shape
     q, k, v = (lin(x).view(B, L, -1, T.HEAD_DIM).transpose(1, 2) for lin in (attn.q, attn.k, attn.v))
-    y = R.RingAttention.apply(q, k, v, ring)  # (B, heads, L, HEAD_DIM): our queries, every key
+    y = ring_attention.RingAttention.apply(q, k, v, ring)  # (B, heads, L, HEAD_DIM): our queries, every key
     return attn.proj(y.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -86,7 +86,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
     if device.type == "cpu":
         torch.set_num_threads(1)
-    torch.cuda.set_device(device) if device.type == "cuda" else None  # NCCL: our GPU, no other
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL: our GPU, no other
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun would set them
     init_from_env(backend_for(device), args.timeout, device)  # lesson 05's init_process_group
     ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
@@ -98,25 +99,25 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     x, y = T.batch(0, args.seed)
     ui.print(f"{T.VOCAB} tokens; one global batch = {tuple(x.shape)} inputs and "
              f"{tuple(y.shape)} targets (the inputs shifted by one)")
-    rings = {layout: R.Ring(layout, rank, world, T.SEQ) for layout in LAYOUTS}
-    M.show_layouts(rings, world, ui)  # which positions each rank holds, in each layout
+    rings = {layout: ring_attention.Ring(layout, rank, world, T.SEQ) for layout in LAYOUTS}
+    ring_measure.show_layouts(rings, world, ui)  # which positions each rank holds, in each layout
     floor = T.loss_floor()
 
     # Step 3: Check ring attention against attention on the whole sequence
     # Random q, k, v; F.scaled_dot_product_attention on the whole sequence is the answer.
     ui.step(3, "Check ring attention against attention on the whole sequence")
-    checked = M.check_against_sdpa(rings, args.seed, device, ui)  # max |difference|: output, dq, dk, dv
+    checked = ring_measure.check_against_sdpa(rings, args.seed, device, ui)  # max |difference|: output, dq, dk, dv
 
     # Step 4: Count each rank's attention work in both layouts
     # A tile is one chunk of queries against one chunk of keys. Under the causal mask a tile
     # wholly in the future is skipped: contiguous, rank r computes 4r+3; balanced, 2N+1 each.
     ui.step(4, "Count each rank's attention work in both layouts")
-    work = M.show_work(rings, world, ui)  # the tiles of Step 3's forward, per rank
+    work = ring_measure.show_work(rings, world, ui)  # the tiles of Step 3's forward, per rank
 
     # Step 5: Build the model and give its attention the ring
     # Every rank builds lesson 13's whole model (same seed); only the attention changes.
     ui.step(5, "Build the model and give its attention the ring")
-    ring = R.Ring(args.layout, rank, world, T.SEQ)
+    ring = ring_attention.Ring(args.layout, rank, world, T.SEQ)
     model = T.make_model(args.seed).to(device)
     for block in model.blocks:
         block.attn.forward = functools.partial(context_parallel_attention, block.attn, ring=ring)
@@ -138,7 +139,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
             loss = T.loss_fn(forward_context_parallel(model, x, ring), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            R.average_gradients(model)
+            ring_attention.average_gradients(model)
             optimizer.step()
             losses.append(loss.item())
             bar.advance()
@@ -154,15 +155,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     # Step 7: Evaluate against the floor
     # Eight batches no step trained on, through the ring; the mean of the ranks' losses.
     ui.step(7, "Evaluate against the floor")
-    held_out, accuracy = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(8):
-            x, y = (t[:, ring.mine].to(device) for t in T.batch(args.steps + i, args.seed))
-            logits = forward_context_parallel(model, x, ring)
-            held_out += T.loss_fn(logits, y).item() / 8
-            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
-    dist.all_reduce(both := torch.tensor([held_out, accuracy], device=device), op=dist.ReduceOp.AVG)
-    held_out, accuracy = both.tolist()
+    held_out, accuracy = T.mean_over_ranks(T.evaluate(lambda x: forward_context_parallel(model, x, ring),
+                                                      args.steps, args.seed, device, positions=ring.mine))
     ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
@@ -170,7 +164,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     # Step 8: Count the bytes each rank sends and the scores it holds
     # Per layer and step, beside the formulas; a block is our keys (or values): B x S/N x D floats.
     ui.step(8, "Count the bytes each rank sends and the scores it holds")
-    counted = M.show_bytes_and_scores(ring, sent, args.steps, world, ui)
+    counted = ring_measure.show_bytes_and_scores(ring, sent, args.steps, world, ui)
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
         return
@@ -178,10 +172,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     # Step 9: Compare with lesson 13, save the results
     # The floor: lesson 13 summing its batch in N chunks, float rounding alone.
     ui.step(9, "Compare with lesson 13, save the results")
-    reference, chunked = (T.train_reference(args.seed, args.steps, chunks=c)["state"] for c in (1, world))
-    diff, chunk_floor = max_abs_diff(final_state, reference), max_abs_diff(chunked, reference)
-    ui.print(f"same weights as lesson 13? max |w - w_13| = [bold]{diff:.1e}[/bold] (floor {chunk_floor:.1e}, "
-             f"allowed 1e-3)")
+    compared = T.compare_with_lesson_13(final_state, args.seed, args.steps, chunks=world)
+    ui.print(f"same weights as lesson 13? {T.weights_gap(compared)}")
     folder = out_dir("21", args.out)
     samples = args.steps * T.GLOBAL_BATCH
     save_results(folder, final_state, make_metrics(
@@ -189,7 +181,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
         loss_floor=floor, layout=args.layout, **checked, work_per_rank=work, **counted,
-        max_abs_diff_floor=chunk_floor, max_abs_diff_vs_single_device=diff))
+        **compared))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
 

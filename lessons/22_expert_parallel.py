@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson
 import torch
 import torch.distributed as dist
 
-import moe as M
-import report as R
+import moe
+import moe_report
 from apparatus.comm import CommLog
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
@@ -42,8 +42,8 @@ def parse_args():
                         help="optimizer steps (one global batch each)")
     parser.add_argument("--seed", type=seed_number, default=T.SEED,
                         help="seed for the initial weights and the batches")
-    M.add_flags(parser)  # --experts, --top-k, --capacity-factor, --dtype
-    return M.check_flags(parser.parse_args())  # k <= E; the world size divides the rows and the experts
+    moe.add_flags(parser)  # --experts, --top-k, --capacity-factor, --dtype
+    return moe.check_flags(parser.parse_args())  # k <= E; the world size divides the rows and the experts
 
 
 def sync_gradients(model, world):
@@ -68,13 +68,13 @@ def main() -> None:
     # Step 1: Train the same mixture of experts in one process
     # The baseline (cached in runs/reference-22/), and capacity factors 1.0 and 2.0 for Step 11.
     ui.step(1, "Train the same mixture of experts in one process")
-    R.show_baselines(M.train_baselines(args), ui)
+    moe_report.show_baselines(moe.train_baselines(args), ui)
     ui.pause(next_step=(2, "Choose this rank's device and join the process group"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
-    spawn(worker, (args.world_size, args, M.Setup.of(args), kind, folder), args.world_size)
+    spawn(worker, (args.world_size, args, moe.Setup.of(args), kind, folder), args.world_size)
 
 
-def worker(rank: int, world: int, args, setup: M.Setup, kind: str, folder: Path) -> None:
+def worker(rank: int, world: int, args, setup: moe.Setup, kind: str, folder: Path) -> None:
     ui = UI(rank, world, step_mode=args.step)
 
     # Step 2: Choose this rank's device and join the process group
@@ -84,7 +84,8 @@ def worker(rank: int, world: int, args, setup: M.Setup, kind: str, folder: Path)
     device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
     if device.type == "cpu":
         torch.set_num_threads(1)
-    torch.cuda.set_device(device) if device.type == "cuda" else None  # NCCL: our GPU, no other
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL: our GPU, no other
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun would set them
     init_from_env(backend_for(device), args.timeout, device)  # lesson 05's init_process_group
     ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
@@ -104,20 +105,20 @@ def worker(rank: int, world: int, args, setup: M.Setup, kind: str, folder: Path)
     # Step 4: Replace each MLP with experts, keep this rank's share
     # Same router everywhere; expert e is seeded by its number, wherever it lives (Step 1 too).
     ui.step(4, "Replace each MLP with experts, keep this rank's share")
-    model = M.moe_model(setup, rank, world).to(device)
+    model = moe.moe_model(setup, rank, world).to(device)
     optimizer = T.make_optimizer(model)
-    n_params = sum(p.numel() for p in M.moe_model(setup).parameters())  # every expert
+    n_params = sum(p.numel() for p in moe.moe_model(setup).parameters())  # every expert
     ui.print(f"Transformer: {T.N_BLOCKS} blocks, width {T.DIM}, {T.N_HEADS} heads, "
              f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}; {setup.dtype}")
-    R.describe(model, rank, world, ui)  # who holds which expert, and the capacity
+    moe_report.describe(model, rank, world, ui)  # who holds which expert, and the capacity
 
     # Step 5: Route one batch: the split sizes of the all-to-all
     ui.step(5, "Route one batch: the split sizes of the all-to-all")
-    R.show_routing(model, T.shard(x, rank, world).to(device), rank, world, ui)
+    moe_report.show_routing(model, T.shard(x, rank, world).to(device), rank, world, ui)
 
     # Step 6: Scale the gradients: all-reduce the shared ones, not the experts'
     ui.step(6, "Scale the gradients: all-reduce the shared ones, not the experts'")
-    grads = R.check_gradients(model, sync_gradients, setup, rank, world, device, ui)
+    grads = moe_report.check_gradients(model, sync_gradients, setup, rank, world, device, ui)
 
     # Step 7: Train, sending tokens to their experts and back with all-to-all
     # The same loop as lesson 01, with a new batch every step instead of epochs.
@@ -136,11 +137,11 @@ def worker(rank: int, world: int, args, setup: M.Setup, kind: str, folder: Path)
             with log.recording() if step in logged else contextlib.nullcontext():
                 loss = T.loss_fn(model(x), y)
                 optimizer.zero_grad(set_to_none=True)
-                (loss + M.AUX_COEF * M.aux_loss(model)).backward()
+                (loss + moe.AUX_COEF * moe.aux_loss(model)).backward()
                 sync_gradients(model, world)
             optimizer.step()
             losses.append(loss.item())
-            seen.append(M.counts(model))
+            seen.append(moe.counts(model))
             sent.append(sum(c.data_bytes for c in log.calls[calls:] if c.kind == "all_to_all"))
             bar.advance()
             if (step + 1) % log_every == 0:
@@ -151,30 +152,24 @@ def worker(rank: int, world: int, args, setup: M.Setup, kind: str, folder: Path)
     losses = (every / world).tolist()  # their mean is the whole batch's loss
     dist.all_reduce(seen := torch.stack(seen))  # every rank's tokens: (steps, blocks, kept/dropped, E)
     dist.all_reduce(sent := torch.tensor(sent, device=device))
-    final_state = M.gather_state(model, world)  # every expert, under the one-process names
+    final_state = moe.gather_state(model, world)  # every expert, under the one-process names
 
     # Step 8: Evaluate against the floor
     # Eight batches no step trained on. No model beats the floor on average (one batch may,
     # by luck); how close we got is the number to watch in every later lesson too.
     ui.step(8, "Evaluate against the floor")
-    held_out, accuracy = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(8):
-            x, y = (t.to(device) for t in T.batch(args.steps + i, args.seed))
-            logits = model(x)
-            held_out += T.loss_fn(logits, y).item() / 8
-            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
+    held_out, accuracy = T.evaluate(model, args.steps, args.seed, device)  # as lesson 13's Step 5
     ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
         return
-    refs, seen, sent = M.train_baselines(args), seen.cpu(), sent.cpu()  # Step 1's, from the cache
+    refs, seen, sent = moe.train_baselines(args), seen.cpu(), sent.cpu()  # Step 1's, from the cache
 
     # Step 9: Count tokens per expert and dropped tokens, beside one process's
     ui.step(9, "Count tokens per expert and dropped tokens, beside one process's")
-    same = R.show_counts(seen, refs[setup]["counts"], logged, ui)
+    same = moe_report.show_counts(seen, refs[setup]["counts"], logged, ui)
 
     # Step 10: Count the all-to-all bytes beside the formula
     # All ranks, per step: 4 passes of every kept token's values, and E split sizes per rank and layer.
@@ -182,11 +177,11 @@ def worker(rank: int, world: int, args, setup: M.Setup, kind: str, folder: Path)
     kept, width = seen[:, :, 0].sum((1, 2)), T.DIM * setup.torch_dtype.itemsize  # tokens; bytes per token
     formula = ((4 * width * kept + T.N_BLOCKS * world * setup.experts * 8) * (world > 1)).tolist()
     measured = {s + 1: int(sent[s]) for s in logged}  # the steps CommLog recorded
-    R.show_bytes(measured, formula, log, ui)
+    moe_report.show_bytes(measured, formula, log, ui)
 
     # Step 11: Compare capacity factors 1.0 and 2.0
     ui.step(11, "Compare capacity factors 1.0 and 2.0")
-    capacities = R.compare_capacities(refs, setup, ui)
+    capacities = moe_report.compare_capacities(refs, setup, ui)
 
     # Step 12: Compare the weights with one process, save the results
     ui.step(12, "Compare the weights with one process, save the results")
@@ -197,7 +192,7 @@ def worker(rank: int, world: int, args, setup: M.Setup, kind: str, folder: Path)
         lesson="22", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, **R.metrics(setup, seen, refs[setup], measured, formula, grads, capacities),
+        loss_floor=floor, **moe_report.metrics(setup, seen, refs[setup], measured, formula, grads, capacities),
         max_abs_diff_vs_single_device=diff))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")

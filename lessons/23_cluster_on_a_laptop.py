@@ -39,8 +39,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, parallel as tp
 
 from apparatus.comm import CommLog
-import cluster_report as R
-import fake_cluster as F
+import cluster_report
+import fake_cluster
 from common import transformer as T
 from common.cli import lesson_parser, run, seed_number
 from common.distributed import choose_port, init_from_env, spawn, teardown
@@ -52,8 +52,8 @@ def parse_args():
     parser = lesson_parser(__doc__, recipe=False, distributed=True)
     parser.add_argument("--seed", type=seed_number, default=T.SEED,
                         help="seed for the initial weights and the tokens")
-    R.add_flags(parser)  # --model, --world-size, --dp, --tp, --microbatches, --real
-    return R.check_flags(parser.parse_args())  # dp x tp = world size; tp divides the heads
+    cluster_report.add_flags(parser)  # --model, --world-size, --dp, --tp, --microbatches, --real
+    return cluster_report.check_flags(parser.parse_args())  # dp x tp = world size; tp divides the heads
 
 
 def main() -> None:
@@ -62,13 +62,13 @@ def main() -> None:
     ui = UI(step_mode=args.step)
     ui.title(f"Lesson 23: rank 0 of {args.world_size:,} ({args.dp} x {args.tp}, dp x tp), "
              f"a {args.model} transformer, in one process")
-    ui.print(F.version_note())
+    ui.print(fake_cluster.version_note())
 
     # Step 1: Join a fake process group of W ranks: this process is rank 0
     # Nothing listens on a port and no other process starts: FakeStore is a store that stores
     # nothing, the "fake" backend a process group whose collectives return at once (PRIVATE API).
     ui.step(1, "Join a fake process group of W ranks: this process is rank 0")
-    F.join_fake_group(args.world_size)
+    fake_cluster.join_fake_group(args.world_size)
     warnings.filterwarnings("ignore", "FSDP2-wrapped module")  # our logits are a view, as in lesson 19
     ui.print(f"rank {dist.get_rank()} of {dist.get_world_size():,}, backend {dist.get_backend()!r}, "
              f"process {os.getpid()}: the only one")
@@ -110,7 +110,7 @@ def worker(rank: int, world: int, args, ui: UI) -> tuple[dict, dict, float]:
     # fully_shard, unchanged; FSDP2 cuts each parameter into W chunks here, where it is cheap.
     ui.step(3, "Build the model on the meta device, split each block across tp, shard across dp")
     with torch.device("meta"):
-        model = F.make_model(size)
+        model = fake_cluster.make_model(size)
     n_params = sum(p.numel() for p in model.parameters())
     plan = {f"blocks.*.{name}": tp.ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "mlp.fc")}
     plan |= {f"blocks.*.{name}": tp.RowwiseParallel() for name in ("attn.proj", "mlp.proj")}
@@ -141,14 +141,14 @@ def worker(rank: int, world: int, args, ui: UI) -> tuple[dict, dict, float]:
         # collective counter, sees FSDP2's c10d calls and DTensor's functional ones alike.
         ui.step(5, "Train one step, recording every collective and the peak")
         log, timer = CommLog(), Timer()
-        tracker = F.Trackers(model, optimizer, args.real, args.microbatches)  # torch's MemTracker, CommDebugMode: Step 7
-        x, y = F.tokens(size, mesh.get_local_rank("dp"), args.seed)  # a tp group shares them
+        tracker = fake_cluster.Trackers(model, optimizer, args.real, args.microbatches)  # torch's MemTracker, CommDebugMode: Step 7
+        x, y = fake_cluster.tokens(size, mesh.get_local_rank("dp"), args.seed)  # a tp group shares them
         with log.recording(), tracker:
             for _ in range(args.microbatches):
                 loss = T.loss_fn(model(x), y) / args.microbatches
                 loss.backward()
             optimizer.step()
-        held, peak = F.held_bytes(model, optimizer), tracker.peak()
+        held, peak = fake_cluster.held_bytes(model, optimizer), tracker.peak()
     ui.print(f"one step of {args.microbatches} micro-batch(es) in {timer.seconds:.1f}s; the loss is a "
              f"{type(loss).__name__}" + (": a shape, no value" if fake else f" = {loss.item():.4f}"))
     ui.print(f"MemTracker's peak: {peak['total']:,} bytes (" + ", ".join(f"{k} {v:,}" for k, v in peak.items()
@@ -159,12 +159,12 @@ def worker(rank: int, world: int, args, ui: UI) -> tuple[dict, dict, float]:
     # dimension whose group carried them. Beside lesson 19's formulas for the same job, given
     # every parameter's shape: FSDP2 pads each tensor's rows up to a multiple of dp.
     ui.step(6, "Count the bytes this rank holds and sends, beside lesson 19's planner")
-    per_rank = R.measure(log, mesh, held, peak, tracker.counts())
-    ui.table(f"Rank {rank}'s collectives in one step", ["dimension", *R.KINDS],
-             [[d, *(v[k] for k in R.KINDS)] for d, v in per_rank["collectives_by_dim"].items()])
-    plan = R.planner_keys(size, args.dp, args.tp, args.microbatches)  # with the shapes, and without
+    per_rank = cluster_report.measure(log, mesh, held, peak, tracker.counts())
+    ui.table(f"Rank {rank}'s collectives in one step", ["dimension", *cluster_report.KINDS],
+             [[d, *(v[k] for k in cluster_report.KINDS)] for d, v in per_rank["collectives_by_dim"].items()])
+    plan = cluster_report.planner_keys(size, args.dp, args.tp, args.microbatches)  # with the shapes, and without
     per_rank["seconds"] = timer.seconds
-    return per_rank, plan, R.beside_planner(ui, per_rank, plan)
+    return per_rank, plan, cluster_report.beside_planner(ui, per_rank, plan)
 
 
 def finish(ui: UI, args, folder: Path, fake: dict, plan: dict, worst: float, real: dict | None = None) -> None:
@@ -173,15 +173,15 @@ def finish(ui: UI, args, folder: Path, fake: dict, plan: dict, worst: float, rea
     # --real only: W real processes ran worker() on gloo. Rank 0's counts and bytes against the
     # fake run's: the fake group is trusted as far as they agree. final.pt holds no weights.
     ui.step(7, "Run the same code on real gloo ranks, compare, save the results")
-    same, peak_gap = R.beside_fake(ui, real, fake) if real else (None, None)
+    same, peak_gap = cluster_report.beside_fake(ui, real, fake) if real else (None, None)
     ui.print("no real ranks (add --real with --model tiny to compare)" if real is None else
              f"real gloo ranks and the fake group agree on every count and byte: [bold]{same}[/bold]")
     save_results(folder, {}, make_metrics(
         lesson="23", world_size=args.world_size, mesh_shape=[args.dp, args.tp], backend="fake",
         device="cpu (fake tensors)", losses=[], final_accuracy=None, wall_seconds=fake["seconds"],
-        samples=args.microbatches * args.dp, model=args.model, parameters=F.count_parameters(args.size),
+        samples=args.microbatches * args.dp, model=args.model, parameters=fake_cluster.count_parameters(args.size),
         microbatches=args.microbatches, per_rank=fake, planner=plan, max_relative_difference=worst,
-        real=real, fake_equals_real=same, peak_fake_vs_real=peak_gap, torch_version=torch.__version__, checked_on=F.CHECKED_ON))
+        real=real, fake_equals_real=same, peak_fake_vs_real=peak_gap, torch_version=torch.__version__, checked_on=fake_cluster.CHECKED_ON))
     ui.print(f"wrote {shown(folder / 'metrics.json')} (final.pt: empty, a fake run has no weights)")
 
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson
 import torch
 import torch.distributed as dist
 
-import diloco as D
-import talk_report as R
+import diloco
+import talk_report
 from apparatus.comm import CommLog
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
@@ -45,8 +45,8 @@ def parse_args():
                         help="inner steps (one global batch each, shared out over the replicas)")
     parser.add_argument("--seed", type=seed_number, default=T.SEED,
                         help="seed for the initial weights and the batches")
-    D.add_flags(parser)  # --sync-every, --inner, --outer, --sweep, --drop-rank, --drop-at
-    return D.check_flags(parser.parse_args())  # each one line and exit 2, before any rank starts
+    diloco.add_flags(parser)  # --sync-every, --inner, --outer, --sweep, --drop-rank, --drop-at
+    return diloco.check_flags(parser.parse_args())  # each one line and exit 2, before any rank starts
 
 
 def outer_step(model, outer, outer_optimizer, group=None):
@@ -55,7 +55,7 @@ def outer_step(model, outer, outer_optimizer, group=None):
     flat = torch.cat([(o - p.detach()).flatten() for o, p in zip(outer, model.parameters())])
     dist.all_reduce(flat, group=group)  # a SUM over the replicas present
     flat /= dist.get_world_size(group)
-    D.apply_outer(model, outer, outer_optimizer, flat)  # o.grad = average; step; weights = outer
+    diloco.apply_outer(model, outer, outer_optimizer, flat)  # o.grad = average; step; weights = outer
 
 
 def train(plan, rank, device, group=None, log=None, ui=None, bar=None):
@@ -63,8 +63,8 @@ def train(plan, rank, device, group=None, log=None, ui=None, bar=None):
     step every plan.H; a replica that is away (plan.away) trains on nothing and misses one outer
     step, then a peer sends it the outer weights. Returns (model, losses, was I here)."""
     model = T.make_model(plan.seed).to(device)  # the same seed: every replica starts the same
-    optimizer = D.make_inner(model, plan.inner)  # each replica's own: never averaged
-    outer, outer_optimizer = D.make_outer(model, plan.outer)
+    optimizer = diloco.make_inner(model, plan.inner)  # each replica's own: never averaged
+    outer, outer_optimizer = diloco.make_outer(model, plan.outer)
     losses, here = torch.zeros(plan.steps, dtype=torch.float64), torch.ones(plan.steps, dtype=torch.float64)
     timer, log_every = Timer(), max(plan.H, plan.steps // 4)
     for step in range(plan.steps):
@@ -84,9 +84,10 @@ def train(plan, rank, device, group=None, log=None, ui=None, bar=None):
                 if plan.drop_at != (step + 1) // plan.H:
                     outer_step(model, outer, outer_optimizer)
                 else:  # one is away: the others average what they have, then a peer sends
-                    outer_step(model, outer, outer_optimizer, group) if not plan.away(rank, step) else None
-                    if D.come_back(plan, rank, model, outer, outer_optimizer):  # its outer weights
-                        optimizer = D.make_inner(model, plan.inner)  # a new process: a new AdamW
+                    if not plan.away(rank, step):
+                        outer_step(model, outer, outer_optimizer, group)
+                    if diloco.come_back(plan, rank, model, outer, outer_optimizer):  # its outer weights
+                        optimizer = diloco.make_inner(model, plan.inner)  # a new process: a new AdamW
         if bar is not None:
             bar.advance()
         if ui is not None and (step + 1) % log_every == 0:
@@ -115,7 +116,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     device = rank_device(kind, rank)  # one GPU per rank (cuda:<rank>), or the CPU
     if device.type == "cpu":
         torch.set_num_threads(1)
-    torch.cuda.set_device(device) if device.type == "cuda" else None  # NCCL: our GPU, no other
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL: our GPU, no other
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun would set them
     init_from_env(backend_for(device), args.timeout, device)  # lesson 05's init_process_group
     ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
@@ -134,9 +136,9 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     # Step 3: Build the model, an inner optimizer per replica, and the outer optimizer
     # The outer weights are a copy of the model's: where every round starts (theta_start).
     ui.step(3, "Build the model, an inner optimizer per replica, and the outer optimizer")
-    plan = D.Plan.of(args)
-    group = D.present_group(plan, world)  # every rank creates it, even the one it leaves out
-    R.describe(plan, ui)
+    plan = diloco.Plan.of(args)
+    group = diloco.present_group(plan, world)  # every rank creates it, even the one it leaves out
+    talk_report.describe(plan, ui)
 
     # Step 4: Train: H inner steps alone, then one outer step together
     # The loop is train() above; CommLog records the outer steps (and nothing else talks).
@@ -152,7 +154,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
 
     # Step 5: Evaluate against the floor
     ui.step(5, "Evaluate against the floor")
-    held_out, accuracy = D.evaluate(model, args.steps, args.seed, device)
+    held_out, accuracy = T.evaluate(model, args.steps, args.seed, device)
     ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
@@ -162,16 +164,16 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui.step(6, "Compare with DDP: H = 1 with SGD inside is DDP; with AdamW inside it is not")
     again = lambda p, log=None: train(p, rank, device, log=log)  # noqa: E731  (a fresh run, no output)
     short = dataclasses.replace(plan, steps=min(4, args.steps), H=1, outer="sgd", drop_rank=None, drop_at=None)
-    proofs = R.against_torch(short, rank, device, again, ui)
+    proofs = talk_report.against_torch(short, rank, device, again, ui)
 
     # Step 7: Count the bytes: 1/H of DDP's
     ui.step(7, "Count the bytes: 1/H of DDP's")
-    sent = R.bytes_per_sample(log, plan, ui, proofs)
-    sweep = R.sweep(plan, rank, device, again, out_dir("24", args.out), ui) if args.sweep else R.no_sweep(ui)
+    sent = talk_report.bytes_per_sample(log, plan, ui, proofs)
+    sweep = talk_report.sweep(plan, rank, device, again, out_dir("24", args.out), ui) if args.sweep else talk_report.no_sweep(ui)
 
     # Step 8: One replica drops out and comes back: what it cost
     ui.step(8, "One replica drops out and comes back: what it cost")
-    dropout = R.dropout_cost(plan, held_out, log, rank, device, again, ui, sweep)
+    dropout = talk_report.dropout_cost(plan, held_out, log, rank, device, again, ui, sweep)
     del model
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
@@ -179,7 +181,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
 
     # Step 9: Compare the weights with the N replicas in one process, save the results
     ui.step(9, "Compare the weights with the N replicas in one process, save the results")
-    one = D.simulate(plan)
+    one = diloco.simulate(plan)
     diff = max((final_state[k].double() - one["state"][k].double()).abs().max().item() for k in final_state)
     ui.print(f"same weights as {world} replicas simulated in one process? max |w - w_sim| = "
              f"[bold]{diff:.1e}[/bold] (allowed 1e-4); losses {max(abs(a - b) for a, b in zip(losses, one['losses'])):.1e} apart")

@@ -17,14 +17,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # the lessons' own folders (lessons/NN_topic/), for their helpers: `import pipeline`
-sys.path[1:1] = [str(d) for d in sorted((ROOT / "lessons").glob("[0-9][0-9]_*/")) if d.name != "12_pitfalls"]
+sys.path[1:1] = [str(d) for d in sorted((ROOT / "lessons").glob("[0-9][0-9]_*/"))]
 # OpenMP threads that wait for work sleep instead of spinning: `make test` runs several
 # multi-rank jobs on few cores at once, and spinning threads took CPU from the ranks that had
 # work (measured: 3 jobs at once on 2 cores ended in 26-29 s instead of 31). It changes no
 # result. Every command the tests start inherits it (set before the zygote starts).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from common import recipe  # noqa: E402
+from common import lesson_module, recipe  # noqa: E402
 
 
 def lesson_path(number: str) -> Path:
@@ -46,13 +46,9 @@ def make_command(lesson: str, *args, step: bool = False) -> list[str]:
 
 
 def import_lesson(number: str):
-    """A lesson file as a module (its name starts with digits, so `import` cannot load it).
-    Its main() does not run: every lesson guards it with `if __name__ == "__main__"`."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f"lesson_{number}", lesson_path(number))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A lesson file as a module: common.lesson_module, the package's one way (its main()
+    does not run)."""
+    return lesson_module(number)
 
 
 def parse_error(module, flags: list[str], monkeypatch, capsys) -> str:
@@ -171,6 +167,12 @@ def load_run(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
 def max_abs_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def weights_line(diff: float, floor: float, chunks: int) -> str:
+    """What a Part 2 lesson prints of its weights against lesson 13's (T.weights_gap)."""
+    return (f"max |w - w_13| = {diff:.1e} (floor {floor:.1e}: lesson 13 summing each batch in "
+            f"{chunks} chunks; allowed 1e-3)")
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:

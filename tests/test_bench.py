@@ -350,7 +350,7 @@ def _compare_hooks(rank: int, world: int) -> None:
 
 
 def test_deferred_hook_gives_ddps_gradients():
-    from apparatus.ranks import run_ranks
+    from common.distributed import run_ranks
 
     run_ranks(_compare_hooks, 2, timeout_s=120, group_timeout_s=60)  # raises if a rank fails
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from apparatus import comm
-from apparatus.ranks import run_ranks
+from common.distributed import run_ranks
 from common import transformer as T
-from conftest import lesson_path
+from conftest import import_lesson
 
 WORLD = 2
 
@@ -100,15 +100,11 @@ def _dtensor_step(rank: int, world: int) -> dict:
     """Lesson 17's DTensor tensor + sequence parallel: one warm-up step, then the same training
     step three times, counted by CommLog, by CommDebugMode, and by a dispatch mode that counts
     the same ops but does not step aside for DTensor (lesson 17's counter before CommLog)."""
-    import importlib.util
-
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    spec = importlib.util.spec_from_file_location("lesson_17", str(lesson_path("17")))
-    lesson = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lesson)
+    lesson = import_lesson("17")
     model = lesson.parallelize_dtensor(T.make_model(), rank, world, True)
     optimizer = T.make_optimizer(model)
     norms = sum(1 for name, _ in model.named_parameters() if "norm" in name)

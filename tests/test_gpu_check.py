@@ -1,7 +1,6 @@
 """tools/gpu_check.py (make gpu-check), without a GPU: the no-CUDA line, the plans for 1, 2 and
 8 GPUs, the weight comparison, the timeout that kills a whole process group and goes on, and
 the whole pipeline end to end with the CPU as the device under test (lesson 01 twice)."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,11 +17,8 @@ NO_CUDA = {"CUDA_VISIBLE_DEVICES": ""}  # no GPU even on a machine that has one
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("gpu_check", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from tools import gpu_check
+    return gpu_check
 
 
 gc = load_tool()
@@ -273,10 +269,9 @@ def test_sigterm_to_the_check_stops_the_runs_it_started(tmp_path):
     pid_file = tmp_path / "sleeper.pid"
     sleeper = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     (tmp_path / "check.py").write_text(
-        "import importlib.util, signal, sys\n"
-        f"spec = importlib.util.spec_from_file_location('gpu_check', {str(TOOL)!r})\n"
-        "gc = sys.modules['gpu_check'] = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(gc)\n"
+        "import signal, sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from tools import gpu_check as gc\n"
         "signal.signal(signal.SIGTERM, gc.interrupted)  # as main() does\n"
         f"run = gc.Run('gpu', [sys.executable, '-c', {sleeper!r}], gc.Path({str(tmp_path / 'o')!r}), "
         f"gc.Path({str(tmp_path / 'o.log')!r}))\n"

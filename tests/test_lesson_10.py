@@ -64,7 +64,7 @@ def check_groups(rank: int, world: int) -> None:
 
 def test_algorithms_equal_all_reduce_and_bytes_match_formulas():
     """Worlds of 4, 3 and 2 ranks (the last two as subgroups whose ranks are renumbered)."""
-    from apparatus.ranks import run_ranks
+    from common.distributed import run_ranks
     run_ranks(check_groups, 4, timeout_s=240, group_timeout_s=30)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common import transformer as T
-from conftest import import_lesson, load_run, max_abs_diff, parse_error, run_lesson
+from conftest import import_lesson, load_run, max_abs_diff, parse_error, run_lesson, weights_line
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +22,21 @@ def test_ends_with_exactly_the_reference_weights(lesson, reference_13):
     assert max_abs_diff(state, reference_13["state"]) == 0.0
     assert metrics["losses"] == [round(x, 6) for x in reference_13["losses"].tolist()]
     assert all(t.device.type == "cpu" for t in state.values())
+
+
+def test_the_part2_lessons_evaluate_and_compare_as_lesson_13_does(lesson):
+    """T.evaluate is lesson 13's Step 5 for the Part 2 lessons: the same held-out numbers from
+    its final weights; T.compare_with_lesson_13 is 0 against its own run, beside the floor."""
+    _, state, metrics = lesson
+    model = T.make_model()
+    model.load_state_dict(state)
+    held_out, accuracy = T.evaluate(model, T.STEPS, T.SEED, "cpu")
+    assert held_out == pytest.approx(metrics["held_out_loss"], abs=1e-6)  # (threads: rounding)
+    assert accuracy == pytest.approx(metrics["final_accuracy"], abs=1e-3)
+    compared = T.compare_with_lesson_13(state, T.SEED, T.STEPS, chunks=2)
+    assert compared["max_abs_diff_vs_single_device"] == 0.0 and compared["floor_chunks"] == 2
+    assert 0 < compared["max_abs_diff_floor"] < 1e-4  # rounding alone, far below the 1e-3 allowed
+    assert T.weights_gap(compared) == weights_line(0.0, compared["max_abs_diff_floor"], 2)
 
 
 def independent_floor() -> float:

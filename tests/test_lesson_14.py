@@ -2,16 +2,14 @@
 assertions; HandDDP is also run on its own (tied weight, frozen layer, buffer) against
 torch's DDP, and on the transformer at 3 and 4 ranks against lesson 13's reference."""
 import re
-import sys
 
 import pytest
 import torch
 
 from common import transformer as T
-from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson
+from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson, weights_line
 
-sys.path.insert(0, str(ROOT / "tools"))
-from check_exercise import run_world  # noqa: E402  (the harness's way to start N ranks)
+from common.distributed import run_ranks
 
 WORLD = 2
 STEPS = 30  # of lesson 13's 120: the same claims, compared with lesson 13 run as long
@@ -35,7 +33,7 @@ def test_ends_with_lesson_13s_weights_and_torch_ddps(lesson):
     assert metrics["max_abs_diff_vs_single_device"] == pytest.approx(diff, abs=1e-12)
     assert metrics["max_abs_diff_floor"] == pytest.approx(floor, abs=1e-12)
     assert metrics["max_abs_diff_vs_torch_ddp"] <= 1e-5  # same sums, same order of steps
-    assert f"max |w - w_13| = {diff:.1e} (floor {floor:.1e}, allowed 1e-3)" in out
+    assert f"same weights as lesson 13? {weights_line(diff, floor, WORLD)}" in out
     assert (metrics["world_size"], metrics["backend"], metrics["lesson"]) == (WORLD, "gloo", "14")
     # the losses are the whole batch's (the mean over ranks), so they follow lesson 13's
     reference_losses = reference_13["losses"].tolist()
@@ -162,7 +160,7 @@ def _three_ranks(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def three_ranks():
-    return run_world(3, _three_ranks, (), ROOT / "lessons" / "14_ddp_by_hand.py")
+    return run_ranks(_three_ranks, 3, ())
 
 
 def test_hand_ddp_broadcasts_skips_frozen_and_reduces_tied_weights_once(three_ranks):
@@ -194,7 +192,7 @@ def _train_transformer(rank: int, world: int) -> dict:
 
 
 def test_three_and_four_ranks_end_with_lesson_13s_weights(three_ranks):
-    four = run_world(4, _train_transformer, (), ROOT / "lessons" / "14_ddp_by_hand.py")
+    four = run_ranks(_train_transformer, 4, ())
     reference_13 = T.train_reference(steps=STEPS)
     for ranks in ([r["transformer"] for r in three_ranks], four):
         assert all(max_abs_diff(r, ranks[0]) == 0.0 for r in ranks)  # the same steps everywhere
@@ -235,7 +233,7 @@ def _average_with_avg(rank: int, world: int) -> list[float]:
 def test_gloo_has_reduce_op_avg_and_no_page_says_otherwise():
     """The lesson once said "gloo has no ReduceOp.AVG" (issue 23): on torch 2.14.1 a gloo
     all-reduce with AVG averages, as FSDP2 relies on there."""
-    from apparatus.ranks import run_ranks
+    from common.distributed import run_ranks
     got = run_ranks(_average_with_avg, 3)
     assert got == [[1.0, 10.0]] * 3
     pages = [*(ROOT / "lessons").rglob("*.py"), *(ROOT / "docs").rglob("*.md")]

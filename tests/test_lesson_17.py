@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from common import transformer as T
-from conftest import ROOT, import_lesson, lesson_path, load_run, max_abs_diff, parse_error, run_lesson
+from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson, weights_line
 
-sys.path.insert(0, str(ROOT / "tools"))
-from check_exercise import run_world  # noqa: E402  (the harness's way to start N ranks)
+from common.distributed import run_ranks
 
 WORLD, STEPS, FEW = 2, 10, 2
 VARIANTS = [("manual", False, False), ("manual", True, False), ("dtensor", False, False), ("dtensor", True, False)]
@@ -49,7 +48,7 @@ def test_ends_with_lesson_13s_weights_beside_the_floor(lesson):
     diff = max_abs_diff(state, reference)
     floor = max_abs_diff(T.train_reference(steps=STEPS, chunks=WORLD)["state"], reference)
     assert diff <= 1e-3, diff
-    assert f"max |w - w_13| = {diff:.1e} (floor {floor:.1e})" in out
+    assert weights_line(diff, floor, WORLD) in out and metrics["max_abs_diff_floor"] == pytest.approx(floor)
     assert metrics["max_abs_diff_vs_single_device"] == pytest.approx(diff, abs=1e-12)
     assert (metrics["impl"], metrics["sequence_parallel"], metrics["world_size"]) == ("dtensor", True, 2)
     plain = T.make_model()
@@ -111,7 +110,8 @@ def test_recording_the_printed_steps_gives_every_steps_numbers(lesson, worlds):
 
 
 def test_the_picture_is_drawn_from_the_blocks_collectives_in_order(lesson, folder):
-    """metrics.json keeps the last block's collectives of one step in order; pictures.py draws
+    """metrics.json keeps the last block's collectives of one step in order;
+    block_collective_pictures.py draws
     docs/17's picture from them (here from this run)."""
     _, _, metrics = lesson
     calls = [(p, k) for p, k, _, _ in metrics["collectives"]["block_sequence"]]
@@ -119,11 +119,8 @@ def test_the_picture_is_drawn_from_the_blocks_collectives_in_order(lesson, folde
     assert [k for p, k in calls if p == "forward"] == [k for pair in sublayer for k in pair]
     assert [k for p, k in calls if p == "backward"] == [k for pair in sublayer for k in pair]
     pytest.importorskip("matplotlib", reason="matplotlib is not installed (requirements.txt)")
-    import importlib.util  # by path: lesson 18's folder has a pictures.py too
-    spec = importlib.util.spec_from_file_location("lesson17_pictures", ROOT / "lessons" / "17_tensor_parallel" / "pictures.py")
-    pictures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pictures)
-    assert pictures.draw([folder], folder / "block.png").startswith("wrote")
+    import block_collective_pictures
+    assert block_collective_pictures.draw([folder], folder / "block.png").startswith("wrote")
     assert (folder / "block.png").stat().st_size > 10_000
 
 
@@ -169,17 +166,11 @@ class _Quiet:
 def _rank_variants(rank: int, world: int, steps: int, variants: list) -> dict:
     """Each (impl, sequence parallel, use_local_output) of `variants`, trained `steps` steps as
     the lesson's Step 4 does, every collective of every step recorded as it records them."""
-    import importlib.util
-
-    import torch
-
-    import tensor_parallel as A
+    import tensor_parallel
     from apparatus.comm import CommLog
     from common import transformer as T
 
-    spec = importlib.util.spec_from_file_location("lesson_17", str(lesson_path("17")))
-    lesson = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lesson)
+    lesson = import_lesson("17")
     results = {}
     for impl, sp, local in variants:
         model = T.make_model()
@@ -198,8 +189,8 @@ def _rank_variants(rank: int, world: int, steps: int, variants: list) -> dict:
                 for p in filter(lambda p: getattr(p, "sequence_parallel", False), model.parameters()):
                     torch.distributed.all_reduce(p.grad)
                 optimizer.step()
-        state = A.full_state_dict(model)
-        counts = A.report(log, steps, model, _Quiet())
+        state = tensor_parallel.full_state_dict(model)
+        counts = tensor_parallel.report(log, steps, model, _Quiet())
         name = f"{impl} sp={sp}" + (" use_local_output" if local else "")
         results[name] = {"state": state if rank == 0 else {}, "counts": counts}
     return results
@@ -207,8 +198,8 @@ def _rank_variants(rank: int, world: int, steps: int, variants: list) -> dict:
 
 @pytest.fixture(scope="module")
 def worlds():
-    return {world: run_world(world, _rank_variants, (FEW, VARIANTS + (MISTAKES if world == 2 else [])),
-                             lesson_path("17")) for world in (1, 2, 4)}
+    return {world: run_ranks(_rank_variants, world, (FEW, VARIANTS + (MISTAKES if world == 2 else [])))
+            for world in (1, 2, 4)}
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -316,7 +307,7 @@ def test_world_size_and_impl_are_checked(monkeypatch, capsys):
 def test_check_17_names_g_when_g_also_sums_in_backward(tmp_path):
     """Issue #26: a g that all-reduces in backward too makes the gradients of x, fc and proj N
     times too big; the hint names g, where it used to ask which function sums in backward (f)."""
-    sys.path.insert(0, str(ROOT / "tools" / "checks"))
+    sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "tools" / "checks")]  # as make check-17 has them
     import check_17
     from check_exercise import NotYet
 

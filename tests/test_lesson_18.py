@@ -5,7 +5,6 @@ process's. The timeline arithmetic of lessons/18_pipeline_schedules/pipeline.py 
 against the formulas on its own, and against torch's own plans (schedules built on stub stages:
 a constructor needs no process group)."""
 import functools
-import importlib.util
 import json
 import re
 import sys
@@ -16,10 +15,9 @@ import pytest
 import torch
 
 from common import transformer as T
-from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson
+from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson, weights_line
 
-sys.path.insert(0, str(ROOT / "tools"))
-from check_exercise import run_world  # noqa: E402  (the harness's way to start N ranks)
+from common.distributed import run_ranks
 
 import pipeline as P  # noqa: E402
 
@@ -71,7 +69,7 @@ def test_ends_with_lesson_13s_weights_beside_the_floor(lesson):
     assert diff <= 1e-3, diff
     assert metrics["max_abs_diff_vs_single_device"] == pytest.approx(diff, abs=1e-12)
     assert metrics["max_abs_diff_floor"] == pytest.approx(floor, abs=1e-12)
-    assert f"max |w - w_13| = {diff:.1e} (floor {floor:.1e}: lesson 13 in {M} chunks)" in out
+    assert weights_line(diff, floor, M) in out
     assert (metrics["world_size"], metrics["backend"], metrics["lesson"]) == (2, "gloo", "18")
     # the loss of a step is the mean of its micro-batches' losses: the whole batch's, as lesson 13's
     assert max(abs(a - b) for a, b in zip(metrics["losses"], reference_13["losses"].tolist())) < 1e-3
@@ -121,7 +119,7 @@ def test_metrics_hold_the_schedules_measurements(lesson):
     assert metrics["peak_inflight_microbatches"] == [2, 1]  # about P, not M
     s = metrics["schedules"]
     assert s["gpipe"]["bubble_fraction"] == pytest.approx(1 / (M + 1)) and s["gpipe"]["peak_inflight_microbatches"] == [M, M]
-    # the timeline the lesson drew, kept for the docs' picture (lessons/18_pipeline_schedules/pictures.py)
+    # the timeline the lesson drew, kept for the docs' picture (lessons/18_pipeline_schedules/timeline_pictures.py)
     assert s["1f1b"]["timeline"][:3] == [[0, 0, 1, "0F0"], [0, 1, 2, "0F1"], [1, 1, 2, "1F0"]]
     assert len(s["interleaved"]["peak_inflight_microbatches"]) == 4  # two stages per rank
     # Interleaving shrinks the bubble to (p-1)/(v*m+p-1) with v = 2 stages per rank: the
@@ -158,19 +156,16 @@ def test_prints_every_schedules_timeline_and_the_table(lesson):
 
 
 def test_docs_picture_is_drawn_from_the_lessons_own_run(lesson, tmp_path):
-    """pictures.py draws docs/img/18_timelines_p2.png from a run's metrics.json; both docs show it."""
+    """timeline_pictures.py draws docs/img/18_timelines_p2.png from a run's metrics.json; both docs show it."""
     _, _, _, folder = lesson
     pytest.importorskip("matplotlib")
-    # lessons/18_pipeline_schedules/pictures.py, by its path: another lesson's folder may hold a
-    # pictures.py too (`--from RUN --to PNG` calls draw)
-    spec = importlib.util.spec_from_file_location("pictures_18", ROOT / "lessons" / "18_pipeline_schedules" / "pictures.py")
-    spec.loader.exec_module(pictures := importlib.util.module_from_spec(spec))
+    import timeline_pictures  # lessons/18_pipeline_schedules/ (`--from RUN --to PNG` calls draw)
     png = tmp_path / "timelines.png"
-    assert pictures.draw(folder, png) == f"wrote {png}" and png.stat().st_size > 10_000
+    assert timeline_pictures.draw(folder, png) == f"wrote {png}" and png.stat().st_size > 10_000
     for doc, img in (("docs/18_pipeline_schedules.md", "img"), ("docs/zh/18_pipeline_schedules.md", "../img")):
         text = (ROOT / doc).read_text()
         assert f"]({img}/18_timelines_p2.png)" in text and f"]({img}/18_timelines_p4.png)" in text, doc
-        assert "lessons/18_pipeline_schedules/pictures.py" in text, doc
+        assert "lessons/18_pipeline_schedules/timeline_pictures.py" in text, doc
     for p in (2, 4):
         assert (ROOT / "docs" / "img" / f"18_timelines_p{p}.png").stat().st_size > 10_000
 
@@ -197,7 +192,7 @@ def _grads_of_one_batch(rank: int, world: int) -> dict:
 def test_every_schedule_gives_one_processs_gradients():
     """The schedule divides the summed micro-batch gradients by M: the whole batch's mean. On 4
     ranks (8 stages for the interleaved ones, some of them empty); the 2-rank lesson run trains."""
-    ranks = run_world(4, _grads_of_one_batch, (), ROOT / "lessons" / "18_pipeline_schedules.py")
+    ranks = run_ranks(_grads_of_one_batch, 4, ())
     model = T.make_model()
     x, y = T.batch(0)
     loss = T.loss_fn(model(x), y)

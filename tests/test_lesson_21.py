@@ -5,15 +5,13 @@ balanced, 3 steps): attention and its gradients against F.scaled_dot_product_att
 The layout helpers are checked in this process for every allowed world size; a bad world size
 is refused before any rank starts; torch's own context_parallel is shown to refuse the CPU."""
 import re
-import sys
 
 import pytest
 
 from common import transformer as T
-from conftest import ROOT, import_lesson, lesson_path, load_run, max_abs_diff, one_error_line, parse_error, run, run_lesson
+from conftest import import_lesson, load_run, max_abs_diff, one_error_line, parse_error, run, run_lesson, weights_line
 
-sys.path.insert(0, str(ROOT / "tools"))
-from check_exercise import run_world  # noqa: E402  (the harness's way to start N ranks)
+from common.distributed import run_ranks
 
 import ring_attention as R  # noqa: E402  (lessons/21_context_parallel/, on the path by conftest)
 
@@ -51,7 +49,7 @@ def test_ends_with_lesson_13s_weights_beside_the_floor(lessons, world):
     diff = max_abs_diff(state, reference["state"])
     floor = max_abs_diff(T.train_reference(steps=steps, chunks=world)["state"], reference["state"])
     assert diff <= 1e-3, diff
-    assert f"max |w - w_13| = {diff:.1e} (floor {floor:.1e}, allowed 1e-3)" in out
+    assert weights_line(diff, floor, world) in out and metrics["max_abs_diff_floor"] == pytest.approx(floor)
     assert metrics["max_abs_diff_vs_single_device"] == pytest.approx(diff, abs=1e-12)
     assert (metrics["world_size"], metrics["layout"], metrics["lesson"]) == (world, layout, "21")
     # the mean of the ranks' losses, each over its 1/N of the tokens, is the whole batch's loss
@@ -166,6 +164,6 @@ def test_torch_context_parallel_has_no_cpu_sharding_strategy():
     """What docs/21_context_parallel.md says, on the pinned torch: on the CPU, SDPA runs
     aten._scaled_dot_product_flash_attention_for_cpu, and DTensor has no sharding strategy
     for it (context parallel handles the CUDA flash, efficient and cuDNN kernels only)."""
-    for text in run_world(2, _torch_context_parallel, (), lesson_path("21")):
+    for text in run_ranks(_torch_context_parallel, 2, ()):
         assert "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding " \
                "strategy registered" in text, text

@@ -5,19 +5,17 @@ weights, the tokens per expert and the drops at every step, the all-to-all bytes
 formula, the gradients' scaling, capacity 2.0 against 1.0. The hand-written differentiable
 all-to-all is checked against torch's own; bad flags are refused before any rank starts."""
 import re
-import sys
 
 import pytest
 import torch
 
 from common import transformer as T
-from conftest import (ROOT, import_lesson, lesson_path, load_run, max_abs_diff, one_error_line, parse_error, run,
+from conftest import (import_lesson, load_run, max_abs_diff, one_error_line, parse_error, run, 
                       run_lesson)
 
 import moe as M  # lessons/22_expert_parallel/moe.py (conftest puts the lessons' folders on the path)
 
-sys.path.insert(0, str(ROOT / "tools"))
-from check_exercise import run_world  # noqa: E402  (the harness's way to start N ranks)
+from common.distributed import run_ranks
 
 STEPS = 10
 RUNS = {2: (4, 1), 4: (8, 2)}  # world size: (experts, top-k)
@@ -140,7 +138,7 @@ def _rank_all_to_all(rank: int, world: int) -> dict:
 def test_hand_written_all_to_all_matches_torch_distributed_nn(world):
     """moe.AllToAll (its backward: the same exchange with the splits swapped) against
     torch.distributed.nn.functional.all_to_all_single, with uneven and empty splits."""
-    for r in run_world(world, _rank_all_to_all, (), lesson_path("22")):
+    for r in run_ranks(_rank_all_to_all, world, ()):
         torch.testing.assert_close(r["forward"], 0.0)
         torch.testing.assert_close(r["backward"], 0.0)
 

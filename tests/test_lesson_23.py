@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import import_lesson, lesson_path, load_run, parse_error, run, run_lesson
+from conftest import import_lesson, load_run, parse_error, run, run_lesson
 
 import cluster_report as R  # lessons/23_cluster_on_a_laptop/ (conftest puts the lessons' folders on the path)
 import fake_cluster as F
@@ -189,13 +189,9 @@ def test_bad_flags_are_refused_in_one_line(flags, words, monkeypatch, capsys):
 
 def test_the_picture_draws_from_the_runs(runs, tmp_path):
     """cluster_pictures.py draws docs/23's picture from lesson 23's metrics.json files."""
-    import importlib.util  # by path: other lessons' folders have picture scripts too
-    path = lesson_path("23").with_suffix("") / "cluster_pictures.py"
-    spec = importlib.util.spec_from_file_location("lesson23_pictures", path)
-    pictures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pictures)
+    import cluster_pictures
     to = tmp_path / "bytes.png"
-    assert pictures.draw([runs["tiny-1024"][2], runs["1b-1024"][2]], to).startswith("wrote")
+    assert cluster_pictures.draw([runs["tiny-1024"][2], runs["1b-1024"][2]], to).startswith("wrote")
     assert to.stat().st_size > 10_000
 
 

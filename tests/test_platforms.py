@@ -21,9 +21,10 @@ LESSONS = sorted((root / "lessons").glob("[0-9][0-9]_*.py"))
 
 
 def import_lessons():
+    from common import lesson_module
     for path in LESSONS:
-        spec = importlib.util.spec_from_file_location("lesson_" + path.name[:2], path)
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        sys.modules.pop("lesson_" + path.name[:2], None)  # anew: step 4 imports them again
+        lesson_module(path.name[:2])
 
 
 # 1. Everything theirs (torch, rich, the standard library) as this platform has it: on
@@ -45,7 +46,7 @@ fake.LK_NBLCK = 2
 fake.locking = lambda fd, mode, n: None
 sys.modules["msvcrt"] = fake
 import_lessons()
-import apparatus.results, apparatus.ranks, common.datasets
+import apparatus.results, common.distributed, common.datasets
 apparatus.results.claim_out(root / "runs" / "platform-test")  # the lock through msvcrt's stand-in
 print("imported", " ".join(p.name[:2] for p in LESSONS))
 """

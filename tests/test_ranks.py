@@ -1,4 +1,4 @@
-"""apparatus/ranks.py's run_ranks, the one way checks, bench and tests start N ranks: every
+"""common/distributed.py's run_ranks, the one way checks, bench and tests start N ranks: every
 rank's result, or the failing rank's error, within a timeout, and nothing left behind."""
 import os
 import signal
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from apparatus.ranks import RankFailed, run_ranks
+from common.distributed import RankFailed, run_ranks
 from conftest import ROOT
 
 SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
@@ -81,7 +81,7 @@ def test_a_parent_killed_with_sigkill_takes_its_ranks():
     """The ranks are forked by multiprocessing's fork server: they must not outlive it, and
     it must not outlive the process that called run_ranks."""
     code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
-            "from apparatus.ranks import run_ranks\n"
+            "from common.distributed import run_ranks\n"
             "from test_ranks import _print_pid_and_wait\n"
             "run_ranks(_print_pid_and_wait, 2, timeout_s=300)\n")
     parent = subprocess.Popen([sys.executable, "-c", code, str(ROOT), str(ROOT / "tests")],

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import html.parser
-import importlib.util
 import json
 import os
 import re
@@ -34,16 +33,7 @@ LESSONS = [p for p in sorted((ROOT / "lessons").glob("[0-9][0-9]_*.py"))
 PY = sys.executable
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("read_site", ROOT / "tools" / "read_site.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["read_site"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-read_site = load_tool()
-import lesson_diff  # noqa: E402 (tools/ is on the path now)
+from tools import lesson_diff, read_site  # noqa: E402
 
 
 @pytest.fixture(scope="module")

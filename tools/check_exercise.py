@@ -61,7 +61,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 # ---------------------------------------------------------------------------------------
-# Running a learner's code on several ranks: apparatus/ranks.py's run_ranks (each rank a
+# Running a learner's code on several ranks: common/distributed.py's run_ranks (each rank a
 # fresh process in a gloo group on a free port, with a timeout on the group and on the whole
 # run), its failures told as the learner needs them.
 # ---------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ def run_world(world: int, target, args: tuple, learner: Path) -> list:
 
     Raises NotYet with the first rank's error, or when the ranks do not finish in time.
     """
-    from apparatus.ranks import RankFailed, run_ranks
+    from common.distributed import RankFailed, run_ranks
 
     try:
         return run_ranks(target, world, args, timeout_s=WORLD_TIMEOUT_S,

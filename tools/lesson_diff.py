@@ -2,7 +2,11 @@
 
     make diff TO=14                 # lesson 14 against its parent (named in its docstring)
     make diff FROM=01 TO=05
-    .venv/bin/python tools/lesson_diff.py 13 14 [--context 3]
+    .venv/bin/python tools/lesson_diff.py 13 14 [--context 3] [--all]
+
+What a lesson leaves out of its parent (the parent's own demonstrations: lesson 15 does not
+re-measure lesson 13's activations) is not its idea: a run of FOLD or more removed lines is
+shown as its first line and one line saying how many follow. --all shows every line.
 
 A lesson that grows from another names it in its docstring, on a line of its own:
 `Parent: lesson 13 (lessons/13_transformer_memory.py)`. `parent_of` reads that line.
@@ -48,6 +52,34 @@ def added_lines(a: Path, b: Path) -> int:
     return sum(1 for l in diff if l.startswith("+") and not l.startswith("+++"))
 
 
+FOLD = 10  # removed lines in a row, from which on they are folded into one line
+
+
+def folded(diff: list[str], parent: str, child: str) -> list[str]:
+    """The unified diff with each run of FOLD or more removed lines cut to its first line and
+    "-   ... N more lines of lesson NN that this lesson leaves out ...". Added lines and
+    context are kept whole: they are the new idea and where it goes."""
+    out: list[str] = []
+    run: list[str] = []
+
+    def flush():
+        if len(run) >= FOLD:
+            out.extend([run[0], f"-   ... {len(run) - 1} more lines of lesson {parent} that lesson "
+                                 f"{child} leaves out (make diff TO={child} ARGS=--all shows them) ..."])
+        else:
+            out.extend(run)
+        run.clear()
+
+    for line in diff:
+        if line.startswith("-") and not line.startswith("---"):
+            run.append(line)
+            continue
+        flush()
+        out.append(line)
+    flush()
+    return out
+
+
 def main(argv: list[str]) -> None:
     parser = LessonParser(prog="make diff FROM=NN TO=NN", description=__doc__.splitlines()[0],
                           formatter_class=HelpFormatter)
@@ -56,6 +88,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("to_lesson", metavar="TO", help="the later lesson's number, e.g. 05")
     parser.add_argument("--context", type=nonnegative_int, default=3,
                         help="unchanged lines shown around each change")
+    parser.add_argument("--all", action="store_true",
+                        help=f"show every removed line (by default a run of {FOLD} or more is folded)")
     args = parser.parse_args(argv)
     b = lesson_file(args.to_lesson)
     if not args.from_lesson:
@@ -73,7 +107,8 @@ def main(argv: list[str]) -> None:
     console.print(f"[bold]{a.name} -> {b.name}[/bold]: {added} lines added, {removed} removed "
                   f"({len(old)} -> {len(new)} lines)\n")
     if diff:
-        console.print(Syntax("\n".join(diff), "diff", theme="ansi_dark", background_color="default"))
+        shown = diff if args.all else folded(diff, a.name[:2], b.name[:2])
+        console.print(Syntax("\n".join(shown), "diff", theme="ansi_dark", background_color="default"))
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     model = shard_model(args, device, mesh2)
     optimizer = T.make_optimizer(model)
     hsdp_losses, hsdp = train(model, optimizer, args, device)
-    hsdp_losses = sharding.mean_over_ranks(hsdp_losses)  # each rank's mean over its rows -> the batch's
+    hsdp_losses = T.mean_over_ranks(hsdp_losses)  # each rank's mean over its rows -> the batch's
     ui.print(f"mesh {mesh2.mesh.tolist()} (row = a shard group, column = a replicate group); "
              f"placements {next(model.parameters()).placements}")
     fractions = everyone(sharding.held_bytes(model, optimizer)["parameters"] / (4 * n_params))

@@ -8,7 +8,7 @@ peak_memory_breakdown (torch's MemTracker over the last step), fsdp_timeline (ea
 forward and backward, from its pre_ hook to its post_ hook, and each collective, in
 milliseconds from the step's first hook: FSDPStory in sharded.py):
 
-    .venv/bin/python lessons/15_zero_fsdp/pictures.py
+    .venv/bin/python lessons/15_zero_fsdp/zero_stage_pictures.py
         # writes docs/img/15_zero_stages.png and docs/img/15_fsdp_timeline.png
 
 Or from runs you made yourself (any flags; the three strategies, in the order ddp, zero1, fsdp):

@@ -7,7 +7,7 @@ metrics.json: collectives.block_sequence, the last block's collectives of one tr
 the order CommLog recorded them (phase, kind, the module running, bytes this rank sent). Each
 becomes a box as wide as the bytes it sent, placed after the ones before it:
 
-    .venv/bin/python lessons/17_tensor_parallel/pictures.py    # writes docs/img/17_block_collectives.png
+    .venv/bin/python lessons/17_tensor_parallel/block_collective_pictures.py    # writes docs/img/17_block_collectives.png
 
 Or from runs you made yourself (any flags, e.g. --impl dtensor --world-size 4):
     --from runs/a runs/b --to /tmp/mine.png

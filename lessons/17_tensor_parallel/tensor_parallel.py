@@ -25,7 +25,6 @@ The instruments:
     sequence_parallel_mistake(...)  LayerNorm gradients, unsummed
     full_state_dict(model)          the whole weights under lesson 13's names, gathered from shards
     show_split(model, ui)           (bytes this rank holds, bytes of the whole) of the split tensors
-    compare_with_13(state, ...)     max |w - w_13| beside the floor, printed
 """
 from __future__ import annotations
 
@@ -147,19 +146,9 @@ def show_split(model, ui) -> tuple[int, int]:
     return local, full
 
 
-def compare_with_13(state, seed: int, steps: int, world: int, ui) -> tuple[float, float]:
-    """max |w - w_13| and the floor (lesson 13 summing its batch in `world` chunks), printed."""
-    from apparatus.results import max_abs_diff
-    reference, chunked = (T.train_reference(seed, steps, chunks=c)["state"] for c in (1, world))
-    diff, floor = max_abs_diff(state, reference), max_abs_diff(chunked, reference)
-    ui.print(f"max |w - w_13| = [bold]{diff:.1e}[/bold] (floor {floor:.1e})")
-    return diff, floor
-
-
-def metrics(counts: dict, saved: dict, mistake: dict, diff: float, floor: float) -> dict:
+def metrics(counts: dict, saved: dict, mistake: dict) -> dict:
     return {"collectives_per_step": counts["per_step"], "collectives": counts,
-            "activations_bytes": saved, "sequence_parallel_mistake": mistake,
-            "max_abs_diff_floor": floor, "max_abs_diff_vs_single_device": diff}
+            "activations_bytes": saved, "sequence_parallel_mistake": mistake}
 
 
 # --- counting ------------------------------------------------------------------------------
@@ -185,7 +174,7 @@ def report(log, steps: int, model, ui) -> dict:
     the sequence split): what its modules issued in forward and backward, and its share of the
     sums after backward and in AdamW's step; printed; then show_split(model). Returns the
     numbers for metrics.json: everything a step sends, DTensor's own collectives included, and
-    the last block's calls of one step in order (phase, kind, module, bytes sent: pictures.py)."""
+    the last block's calls of one step in order (phase, kind, module, bytes sent: block_collective_pictures.py)."""
     last = f".blocks.{T.N_BLOCKS - 1}"
     block = [c for c in log.calls if any(m.endswith(last) for m in c.modules)]
     phases, in_block = log.tally(lambda c: c.phase, steps), log.tally(lambda c: c.phase, steps, block)

@@ -14,7 +14,7 @@
 * idle_fraction, bubble_formula: the share of rank-time spent waiting, and (p-1)/(v·m+p-1)
   (v stages per rank: 1 for GPipe and 1F1B, 2 for interleaved 1F1B).
 * draw(timeline) for the terminal; save_png(timeline, path) when matplotlib is installed (plot
-  draws one timeline on matplotlib axes: pictures.py draws the docs' figure with it).
+  draws one timeline on matplotlib axes: timeline_pictures.py draws the docs' figure with it).
 * show_schedule, summary_table, metrics_of, describe: what lesson 18 prints and saves.
 * check_flags / flag_error: the rule lesson 18's flags must follow (one clear line if not).
 """

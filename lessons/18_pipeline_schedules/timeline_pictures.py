@@ -8,7 +8,7 @@ but on one time axis for all four: the lesson's unit is one stage's forward, and
 stages are half a rank's share of the model, so here its times are halved (in general: times
 x P / the stages that hold a piece; pass-through stages hold none).
 
-    .venv/bin/python lessons/18_pipeline_schedules/pictures.py    # writes docs/img/18_timelines_p2.png, _p4.png
+    .venv/bin/python lessons/18_pipeline_schedules/timeline_pictures.py    # writes docs/img/18_timelines_p2.png, _p4.png
 
 Or from a run you made yourself (any flags): --from runs/lesson-18 --to /tmp/mine.png
 """

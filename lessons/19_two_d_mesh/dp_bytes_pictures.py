@@ -9,7 +9,7 @@ micro-batches' gradients locally and send once; ZeRO-2 reduce-scatters every mic
 ZeRO-3 also gathers the weights twice in each). Right: the MFU with perfect overlap, from the
 same rows.
 
-    .venv/bin/python lessons/19_two_d_mesh/pictures.py    # writes docs/img/19_dp_bytes.png
+    .venv/bin/python lessons/19_two_d_mesh/dp_bytes_pictures.py    # writes docs/img/19_dp_bytes.png
 
 Or from planner runs you made yourself (any flags; one --microbatches each):
     --from runs/a runs/b --to /tmp/mine.png

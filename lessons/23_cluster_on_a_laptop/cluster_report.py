@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-import planner as P  # lessons/19_two_d_mesh/planner.py: lesson 19's formulas, checked here
+import planner  # lessons/19_two_d_mesh/planner.py: lesson 19's formulas, checked here
 from fake_cluster import SIZES, Size, count_parameters, make_model
 
 COLWISE = ("attn.q", "attn.k", "attn.v", "mlp.fc")  # lesson 19's plan: rows split across tp
@@ -71,7 +71,7 @@ def split_of(name: str) -> str:
     return "rows" if any(s in name for s in COLWISE) else "cols" if any(s in name for s in ROWWISE) else ""
 
 
-def planner_model(size: Size, microbatches: int, shapes: bool = True) -> P.Model:
+def planner_model(size: Size, microbatches: int, shapes: bool = True) -> planner.Model:
     """Lesson 19's planner.Model for one of our sizes: one sequence per micro-batch per dp rank;
     `replicated`: the parameters lesson 19's plan leaves whole on every tp rank; `shapes`: every
     parameter's shape, tp split and FSDP group (the block it is in, or the root), so the planner
@@ -81,18 +81,18 @@ def planner_model(size: Size, microbatches: int, shapes: bool = True) -> P.Model
     with torch.device("meta"):
         named = list(make_model(size).named_parameters())
     replicated = sum(p.numel() for n, p in named if not split_of(n))
-    tensors = [P.Tensor(tuple(p.shape), split_of(n), ".".join(n.split(".")[:2]) if n.startswith("blocks.") else "root")
+    tensors = [planner.Tensor(tuple(p.shape), split_of(n), ".".join(n.split(".")[:2]) if n.startswith("blocks.") else "root")
                for n, p in named]
-    return P.Model(count_parameters(size), size.blocks, size.dim, size.seq, 1, microbatches, replicated,
+    return planner.Model(count_parameters(size), size.blocks, size.dim, size.seq, 1, microbatches, replicated,
                    tensors if shapes else None, checkpoint=False)  # our blocks are not checkpointed
 
 
 def planner_keys(size: Size, dp: int, tp: int, microbatches: int) -> dict:
     """The planner's numbers under metrics.json's keys: fp32 AdamW, TP x ZeRO-3 (FSDP2), from the
     shapes; "even_held_bytes": the same without shapes, every tensor divided evenly."""
-    model, lay = planner_model(size, microbatches), P.Layout(dp=dp, tp=tp, zero=3)
-    held, even = (P.memory(m, lay, per_param=P.FP32) for m in (model, planner_model(size, microbatches, False)))
-    sent = P.comm(model, lay, element=4)
+    model, lay = planner_model(size, microbatches), planner.Layout(dp=dp, tp=tp, zero=3)
+    held, even = (planner.memory(m, lay, per_param=planner.FP32) for m in (model, planner_model(size, microbatches, False)))
+    sent = planner.comm(model, lay, element=4)
     return {"held_bytes": {k: round(held[k]) for k in HELD},
             "sent_bytes": {d: round(sent[d]) for d in ("dp", "tp")},
             "even_held_bytes": {k: round(even[k]) for k in HELD}}

@@ -106,18 +106,6 @@ def come_back(plan: Plan, rank: int, model, outer, outer_optimizer) -> bool:
     return False
 
 
-def evaluate(model, steps: int, seed: int, device) -> tuple[float, float]:
-    """Lesson 14's Step 5: held-out loss and accuracy on the 8 batches after the training ones."""
-    held_out, accuracy = 0.0, 0.0
-    with torch.no_grad():
-        for i in range(8):
-            x, y = (t.to(device) for t in T.batch(steps + i, seed))
-            logits = model(x)
-            held_out += T.loss_fn(logits, y).item() / 8
-            accuracy += (logits.argmax(-1) == y).float().mean().item() / 8
-    return held_out, accuracy
-
-
 # --- the one-process simulation ------------------------------------------------------------
 
 def simulate(plan: Plan) -> dict:
@@ -152,7 +140,7 @@ def simulate(plan: Plan) -> dict:
                             p.copy_(o)
                 for r in set(range(plan.world)) - set(here):  # back, with a fresh inner optimizer
                     inner[r] = make_inner(models[r], plan.inner)
-        held_out, _ = evaluate(models[0], plan.steps, plan.seed, "cpu")
+        held_out, _ = T.evaluate(models[0], plan.steps, plan.seed, "cpu")
     finally:
         torch.set_num_threads(threads)
     return {"state": {k: v.detach().clone() for k, v in models[0].state_dict().items()},

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-import diloco as D
+import diloco
 from apparatus.comm import CommLog
 from apparatus.results import plain_state_dict, shown
 from common import transformer as T
@@ -17,9 +17,9 @@ N_PARAMS = sum(p.numel() for p in T.make_model().parameters())
 BYTES = 4 * N_PARAMS  # one float32 copy of the weights: what one all-reduce carries
 
 
-def describe(plan: D.Plan, ui) -> None:
-    inner = f"AdamW lr={T.LR} eps={T.EPS}" if plan.inner == "adamw" else f"SGD lr={D.SGD_LR}"
-    outer = ", ".join(f"{k}={v}" for k, v in D.OUTER[plan.outer].items())
+def describe(plan: diloco.Plan, ui) -> None:
+    inner = f"AdamW lr={T.LR} eps={T.EPS}" if plan.inner == "adamw" else f"SGD lr={diloco.SGD_LR}"
+    outer = ", ".join(f"{k}={v}" for k, v in diloco.OUTER[plan.outer].items())
     ui.print(f"Transformer: {N_PARAMS:,} parameters; inner: {inner} (one per replica, never averaged); "
              f"outer: SGD {outer} ({'DiLoCo' if plan.outer == 'nesterov' else 'LocalSGD'})")
     ui.print(f"H = {plan.H}: {plan.steps} inner steps are {plan.steps // plan.H} outer steps; each outer step "
@@ -40,7 +40,7 @@ def _total(sent: float) -> float:
     return t.item()
 
 
-def against_torch(short: D.Plan, rank: int, device, run_ours, ui) -> dict:
+def against_torch(short: diloco.Plan, rank: int, device, run_ours, ui) -> dict:
     """H = 1 with SGD inside against torch DDP with SGD; the same with AdamW; LocalSGD with
     H = 4 against torch's PostLocalSGDOptimizer + PeriodicModelAverager. Fresh models."""
     out, rows = {}, []
@@ -48,7 +48,7 @@ def against_torch(short: D.Plan, rank: int, device, run_ours, ui) -> dict:
         p, log = dataclasses.replace(short, inner=inner), CommLog()
         ours = plain_state_dict(run_ours(p, log=log)[0])
         ddp_log = CommLog()
-        ddp = D.torch_run("ddp", p, rank, device, ddp_log)
+        ddp = diloco.torch_run("ddp", p, rank, device, ddp_log)
         diff = _max_diff(ours, ddp["state"])
         out[f"max_abs_diff_vs_ddp{'' if inner == 'sgd' else '_adamw'}"] = diff
         samples = p.steps * T.GLOBAL_BATCH
@@ -57,7 +57,7 @@ def against_torch(short: D.Plan, rank: int, device, run_ours, ui) -> dict:
         rows.append([f"H = 1, inner {inner}, outer SGD lr 1", f"torch DDP + {inner}", f"{diff:.1e}"])
     p = dataclasses.replace(short, H=4 if short.steps % 4 == 0 else 1)
     ours = plain_state_dict(run_ours(p)[0])
-    theirs = D.torch_run("periodic", p, rank, device)["state"]
+    theirs = diloco.torch_run("periodic", p, rank, device)["state"]
     out["max_abs_diff_vs_torch_periodic_averager"] = diff = _max_diff(ours, theirs)
     rows.append([f"H = {p.H}, inner {p.inner}, outer SGD lr 1", "PostLocalSGDOptimizer", f"{diff:.1e}"])
     ui.table(f"{short.steps} steps from the same weights: ours against torch's (max |w - w_torch|)",
@@ -68,7 +68,7 @@ def against_torch(short: D.Plan, rank: int, device, run_ours, ui) -> dict:
     return out
 
 
-def bytes_per_sample(log: CommLog, plan: D.Plan, ui, proofs: dict) -> dict:
+def bytes_per_sample(log: CommLog, plan: diloco.Plan, ui, proofs: dict) -> dict:
     """This run's bytes, every rank's, per sample trained: measured by CommLog, and the formula."""
     total = _total(sum(c.sent_bytes for c in log.calls))
     N, rounds = plan.world, plan.steps // plan.H
@@ -88,18 +88,18 @@ def bytes_per_sample(log: CommLog, plan: D.Plan, ui, proofs: dict) -> dict:
 
 
 def no_sweep(ui) -> None:
-    ui.print(f"H = {', '.join(map(str, D.SWEEP))} side by side: add --sweep (Run in the doc)")
+    ui.print(f"H = {', '.join(map(str, diloco.SWEEP))} side by side: add --sweep (Run in the doc)")
 
 
-def sweep(plan: D.Plan, rank: int, device, run_ours, folder, ui) -> dict:
-    """The same run for each H of D.SWEEP, no drop-out: bytes per sample and the loss reached."""
+def sweep(plan: diloco.Plan, rank: int, device, run_ours, folder, ui) -> dict:
+    """The same run for each H of diloco.SWEEP, no drop-out: bytes per sample and the loss reached."""
     rows, curves, out = [], {}, {}
-    for H in D.SWEEP:
+    for H in diloco.SWEEP:
         p, log = dataclasses.replace(plan, H=H, drop_rank=None, drop_at=None), CommLog()
         model, losses, _ = run_ours(p, log=log)
         dist.all_reduce(losses)
         curve = (losses / p.world).tolist()
-        held_out, _ = D.evaluate(model, p.steps, p.seed, device)
+        held_out, _ = T.evaluate(model, p.steps, p.seed, device)
         sent = _total(sum(c.sent_bytes for c in log.calls)) / p.samples()
         formula = 2 * (p.world - 1) * BYTES * (p.steps // H) / p.samples()
         out[str(H)] = {"bytes_sent_per_sample": sent, "bytes_sent_per_sample_formula": formula,
@@ -115,7 +115,7 @@ def sweep(plan: D.Plan, rank: int, device, run_ours, folder, ui) -> dict:
     return out
 
 
-def save_plot(out: dict, curves: dict, plan: D.Plan, path) -> str:
+def save_plot(out: dict, curves: dict, plan: diloco.Plan, path) -> str:
     try:
         from apparatus.pictures import plt, save_figure  # matplotlib, only when a sweep draws
     except ImportError:
@@ -139,7 +139,7 @@ def save_plot(out: dict, curves: dict, plan: D.Plan, path) -> str:
     return save_figure(fig, path)
 
 
-def dropout_cost(plan: D.Plan, held_out: float, log: CommLog, rank: int, device, run_ours, ui,
+def dropout_cost(plan: diloco.Plan, held_out: float, log: CommLog, rank: int, device, run_ours, ui,
                  sweep: dict | None = None) -> dict | None:
     """The run again without the drop-out (or the sweep's run with the same H): the held-out
     loss both ways, the samples lost, and the bytes that brought the replica back."""
@@ -149,7 +149,7 @@ def dropout_cost(plan: D.Plan, held_out: float, log: CommLog, rank: int, device,
     if sweep and str(plan.H) in sweep:  # the same run, without the drop-out: Step 7 trained it
         without = sweep[str(plan.H)]["held_out_loss"]
     else:
-        without, _ = D.evaluate(run_ours(dataclasses.replace(plan, drop_rank=None, drop_at=None))[0],
+        without, _ = T.evaluate(run_ours(dataclasses.replace(plan, drop_rank=None, drop_at=None))[0],
                                 plan.steps, plan.seed, device)
     back = _total(sum(c.sent_bytes for c in log.calls if c.kind == "send"))
     lost = plan.steps * T.GLOBAL_BATCH - plan.samples()

@@ -1,5 +1,4 @@
 """Exercise 15, a solution: ZeRO-2 by hand (see exercises/15_zero2.py)."""
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -8,13 +7,11 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 try:  # make check-15 has put the repository on sys.path, wherever this file is
-    from common import ROOT
+    from common import lesson_module
 except ImportError:  # this file run on its own, from tests/solutions/
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-    from common import ROOT
-_spec = importlib.util.spec_from_file_location("lesson_15", next((ROOT / "lessons").glob("15_*.py")))
-lesson_15 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lesson_15)  # its main() does not run: only the classes are defined
+    from common import lesson_module
+lesson_15 = lesson_module("15")  # its main() does not run: only the classes are defined
 sharded = lesson_15.sharded  # flat_row, pieces: lessons/15_zero_fsdp/sharded.py
 
 

@@ -12,15 +12,8 @@ STARTER = "exercises/13_checkpoint_mlp.py"
 
 
 def _lesson_13():
-    import importlib.util
-
-    from check_exercise import ROOT
-
-    path = next((ROOT / "lessons").glob("13_*.py"))
-    spec = importlib.util.spec_from_file_location("lesson_13", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from common import lesson_module
+    return lesson_module("13")
 
 
 def check(path: Path) -> str:

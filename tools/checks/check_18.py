@@ -16,7 +16,7 @@ CASES = [(2, 4), (4, 8), (4, 4), (3, 6), (4, 2), (2, 1)]
 
 def check(path: Path) -> str:
     """1F1B: every action once, no deadlock, at most p - r held on stage r, GPipe's idle time."""
-    import pipeline as P
+    import pipeline
     from check_exercise import NotYet, load
 
     module = load(path)
@@ -45,11 +45,11 @@ def check(path: Path) -> str:
                 raise NotYet(f"{where}, stage {r} holds {peak} micro-batches at once; 1F1B holds at most "
                              f"{min(p - r, m)} there (p - r). Start backwards sooner: that is the 1B in 1F1B")
         try:
-            tl = P.timeline({r: [tuple(a) for a in acts] for r, acts in actions.items()})
+            tl = pipeline.timeline({r: [tuple(a) for a in acts] for r, acts in actions.items()})
         except RuntimeError:
             raise NotYet(f"{where}, the ranks wait on each other forever: a backward is scheduled "
                          f"before the forward it needs can have reached the last stage")
-        idle, want = P.idle_fraction(tl), P.bubble_formula(p, m)
+        idle, want = pipeline.idle_fraction(tl), pipeline.bubble_formula(p, m)
         if abs(idle - want) > 1e-9:
             raise NotYet(f"{where}, the ranks are idle {idle:.1%} of the time; 1F1B's bubble is "
                          f"(p-1)/(m+p-1) = {want:.1%}: a rank waits where it could already work")
