@@ -20,7 +20,7 @@ RUN_06 := tools/nodes.py --nnodes 2 --nproc-per-node 2 --
 RUN_07 := tools/nodes.py --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
 
 # check-% and lesson-% are pattern rules
-.PHONY: checks help venv lessons test clean distclean docs-output diff bench bench-docs read gpu-check
+.PHONY: checks help venv wheels FORCE lessons test clean distclean docs-output diff bench bench-docs read gpu-check
 
 help:
 	@echo "Distributed PyTorch, Step by Step"
@@ -44,6 +44,7 @@ help:
 		"make gpu-check" "on a GPU machine: every lesson's GPU path against the CPU, one table (runs/gpu-check/)" \
 		"make docs-output" "rerun the commands whose output the docs show (DOCS=docs/01_*.md)" \
 		"make venv [CPU_ONLY=1]" "create .venv and install requirements.txt (done automatically)" \
+		"make wheels WHEELS=dir" "a classroom: download every wheel once; each laptop: make venv WHEELS=dir, offline" \
 		"make clean" "delete runs/ and caches (keeps .venv)" \
 		"make distclean" "clean, and delete .venv too"
 
@@ -53,13 +54,34 @@ help:
 # (Not tested here: our machines reach PyPI only. See README, "Installing for a classroom".)
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 PIP_INDEX := $(if $(filter-out 0,$(CPU_ONLY)),--extra-index-url $(CPU_INDEX))
-$(STAMP): requirements.txt
-	@echo "Setting up $(VENV) (first run only: downloads and installs torch, which is large; pip shows its progress)..."
+# WHEELS=folder: a classroom's offline install. `make wheels WHEELS=folder` downloads every
+# wheel requirements.txt needs, once, on one laptop like the others (same OS, CPU and Python);
+# `make venv WHEELS=folder` then installs from a copy of that folder only (pip's --no-index
+# --find-links): no network, no index. README, "Installing for a classroom".
+PIP_FROM := $(if $(WHEELS),--no-index --find-links "$(WHEELS)",$(PIP_INDEX))
+# "Changes" means its content: the stamp holds requirements.txt's sha256, written once pip has
+# installed it. Not its time: a fresh clone beside an existing .venv (or a git checkout) gives
+# requirements.txt a newer time and the same pins, and pip would run again for nothing.
+REQ_SUM := $(firstword $(shell (sha256sum requirements.txt || shasum -a 256 requirements.txt) 2>/dev/null))
+VENV_CURRENT = $(and $(REQ_SUM),$(filter $(REQ_SUM),$(shell cat $(STAMP) 2>/dev/null)))
+$(STAMP): $(if $(VENV_CURRENT),,FORCE)
+	$(if $(WHEELS),$(if $(wildcard $(WHEELS)/.),,$(error error: WHEELS=$(WHEELS) is not a folder; make wheels WHEELS=$(WHEELS) fills one on a machine with the network)))
+	@echo "Setting up $(VENV) (first run only: $(if $(WHEELS),installs from $(WHEELS) without the network,downloads and installs torch$(COMMA) which is large); pip shows its progress..."
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -m pip install --disable-pip-version-check --progress-bar on $(PIP_INDEX) -r requirements.txt 2> >(grep -v "^WARNING: Location" >&2)
-	@touch $(STAMP)
+	@$(PY) -m pip install --disable-pip-version-check --progress-bar on $(PIP_FROM) -r requirements.txt 2> >(grep -v "^WARNING: Location" >&2)
+	@echo $(REQ_SUM) > $(STAMP)
 
 venv: $(STAMP)
+
+FORCE:
+
+wheels:  ## a classroom's wheel cache: every wheel requirements.txt needs, into WHEELS=folder
+	$(if $(WHEELS),,$(error error: name the folder, e.g. make wheels WHEELS=../wheels; then, on each laptop, make venv WHEELS=../wheels))
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip download --disable-pip-version-check --progress-bar on --only-binary=:all: $(PIP_INDEX) -r requirements.txt -d "$(WHEELS)"
+	@echo "$(WHEELS) holds every wheel; copy it to each laptop, then there: make venv WHEELS=<that folder>"
+
+COMMA := ,
 
 # lesson-5 is lesson-05, as in make diff FROM=5
 PAD = $(if $(filter 0 1 2 3 4 5 6 7 8 9,$(1)),0$(1),$(1))
@@ -71,7 +93,7 @@ lesson-:
 lesson-%:
 	$(if $(wildcard lessons/$(call PAD,$*)_*.py),,$(error error: there is no lesson '$*'; the lessons are: $(LESSON_NUMS) (e.g. make lesson-01)))
 	@f=$$(ls lessons/$(call PAD,$*)_*.py | head -n 1); \
-	{ [ $(STAMP) -nt requirements.txt ] || $(MAKE) --no-print-directory $(STAMP); } && \
+	{ [ -n "$(VENV_CURRENT)" ] || $(MAKE) --no-print-directory $(STAMP); } && \
 	$(PY) $(RUN_$(call PAD,$*)) $$f $(STEP_FLAG) $(ARGS)
 
 check-%: $(STAMP)  ## check a learner's exercise: make check-05 [FILE=path]
