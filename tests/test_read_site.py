@@ -131,6 +131,39 @@ def test_steps_split_the_whole_file(built):
         assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])), lesson.path.name
 
 
+CJK_BREAK = re.compile(r"([\u4e00-\u9fff\u3000-\u303f\uff00-\uffef])\s*\n\s*([\u4e00-\u9fff\u3000-\u303f\uff00-\uffef])")
+
+
+def test_chinese_line_breaks_show_no_space(built):
+    """Where a Chinese doc's Markdown breaks a line inside Chinese text, the page joins the two
+    lines (a browser shows a line break as a space, which Chinese text does not have); between
+    Chinese and Latin text the break stays (the docs write `使用 torch`). docs/zh/21 breaks
+    one sentence as `...收集回原位后` / `与答案比较...`."""
+    assert read_site.joins_without_space("后", "与") and read_site.joins_without_space("。", "T")
+    assert not read_site.joins_without_space("是", "F") and not read_site.joins_without_space("d", "e")
+    assert "收集回原位后\n与答案比较" in (ROOT / "docs" / "zh" / "21_context_parallel.md").read_text()
+    page = (SITE / "zh" / "21_context_parallel.html").read_text()
+    assert "各部分收集回原位后与答案比较" in page
+    found = []
+    for path in sorted((SITE / "zh").glob("*.html")):
+        for paragraph in re.findall(r"(?s)<(?:p|li|td)\b[^>]*>(.*?)</(?:p|li|td)>", path.read_text()):
+            prose = re.sub(r"<[^>]+>", "", re.sub(r"(?s)<pre\b.*?</pre>", "", paragraph))
+            found += [f"{path.name}: {m[0]!r}" for m in CJK_BREAK.finditer(prose)]
+    assert not found, "\n".join(found[:20])
+
+
+def test_code_lines_keep_their_indentation_apart_from_the_text(built):
+    """Every line of code the site shows (a doc's fenced code, a lesson's code) is its
+    indentation and the rest, so that a long line can wrap under itself (the browser test
+    below measures it); program output is left as printed."""
+    page = (SITE / "05_ddp_spawn.html").read_text()
+    lines = re.findall(r'<span class="line"(?: id="L\d+")?>(?:<a class="ln"[^>]*>\d+</a>)?'
+                       r'<span class="ws">( *)</span><span class="rest">', page)
+    assert len(lines) > 200 and any(len(ws) >= 8 for ws in lines), len(lines)
+    assert '<pre class="hl output"><code>' in page and not re.search(
+        r'<pre class="hl output"><code>[^<]*<span class="line"', page)
+
+
 def test_index_is_the_course_from_teaching_md(built):
     text = (SITE / "index.html").read_text()
     teaching = (ROOT / "docs" / "TEACHING.md").read_text()
@@ -509,6 +542,41 @@ def test_lesson_pages_at_phone_width_stack_doc_and_code(browser):
              *(SITE / f"{lesson.stem}.html" for lesson in LESSONS), SITE / "zh" / f"{LESSONS[-1].stem}.html"]
     problems = [p for page in pages for p in inspect(browser, page, phone=True)]
     assert not problems, "\n".join(problems[:30])
+
+
+WRAPS = """(() => {
+  const found = {wrapped: 0, indented: 0, dedented: []};
+  document.querySelectorAll('pre.hl:not(.output):not(.diff) .line').forEach(line => {
+    const rest = line.querySelector(':scope > .rest'), ws = line.querySelector(':scope > .ws');
+    const range = document.createRange();
+    range.selectNodeContents(rest || line);
+    const rects = [...range.getClientRects()].filter(r => r.width > 0);
+    const tops = [...new Set(rects.map(r => Math.round(r.top)))].sort((a, b) => a - b);
+    if (tops.length < 2) return;
+    found.wrapped++;
+    if (ws && ws.getBoundingClientRect().width > 0) found.indented++;
+    const first = Math.min(...rects.filter(r => Math.round(r.top) === tops[0]).map(r => r.left));
+    if (Math.min(...rects.map(r => r.left)) < first - 0.5)
+      found.dedented.push(line.textContent.trim().slice(0, 70));
+  });
+  return found;
+})()"""
+
+
+def test_long_code_lines_wrap_under_their_own_indentation(browser):
+    """At phone width many code lines wrap. Each piece of a wrapped line starts at or right of
+    the line's first character: none goes back to column 0 (it looked dedented, which in
+    Python reads as another block). In the docs' code and in the lessons' code alike."""
+    browser.viewport(PHONE)
+    total = {"wrapped": 0, "indented": 0}
+    for page in (SITE / "05_ddp_spawn.html", SITE / "21_context_parallel.html",
+                 SITE / "zh" / "21_context_parallel.html"):
+        browser.open(page.as_uri())
+        seen = browser.eval(WRAPS)
+        assert not seen["dedented"], f"{page.name}: wrapped back to column 0: {seen['dedented'][:5]}"
+        total["wrapped"] += seen["wrapped"]
+        total["indented"] += seen["indented"]
+    assert total["wrapped"] > 20 and total["indented"] > 5, total
 
 
 def test_a_parent_diff_page_in_chromium(browser, tmp_path):

@@ -55,6 +55,65 @@ SAFE_ATTRIBUTES = {"*": {"id", "class", "title"}, "a": {"href"}, "img": {"src", 
                    "th": {"style"}, "td": {"style"}, "ol": {"start"}}
 
 
+# Chinese (and Japanese) text has no spaces between words: where the Markdown source breaks a
+# line between two such characters, the browser must not show the break as a space. Fullwidth
+# punctuation (，。：（）) carries its own space on either side.
+CJK = re.compile(r"[\u2e80-\u2fff\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef]")
+CJK_PUNCT = re.compile(r"[\u3000-\u303f\uff01-\uff0f\uff1a-\uff20\uff3b-\uff40\uff5b-\uff65]")
+
+
+def joins_without_space(before: str, after: str) -> bool:
+    """A line break between these two characters is no space: both are CJK, or one is
+    fullwidth punctuation. Between CJK and Latin text it stays one space (as the docs write
+    `使用 torch`)."""
+    if not before or not after:
+        return False
+    return bool((CJK.match(before) and CJK.match(after)) or CJK_PUNCT.match(before) or CJK_PUNCT.match(after))
+
+
+def _edge_char(tokens, idx: int, step: int) -> str:
+    """The nearest character of text beside the inline token at idx (step -1: before it)."""
+    i = idx + step
+    while 0 <= i < len(tokens):
+        content = tokens[i].content if tokens[i].type in ("text", "code_inline") else ""
+        if content:
+            return content[-1] if step < 0 else content[0]
+        if tokens[i].type in ("softbreak", "hardbreak"):
+            return ""
+        i += step
+    return ""
+
+
+def softbreak(_renderer, tokens, idx, options, env) -> str:
+    """markdown-it's softbreak ("\n", shown as a space) unless the break sits inside CJK text."""
+    return "" if joins_without_space(_edge_char(tokens, idx, -1), _edge_char(tokens, idx, 1)) else "\n"
+
+
+def split_indent(line: str) -> tuple[str, str]:
+    """A highlighted line of code: (its leading spaces, the rest with its tags). The rest is
+    what wraps; the spaces stay in front of every piece of it."""
+    kept, spaces, i = [], 0, 0
+    while i < len(line):
+        if line[i] == "<":
+            end = line.index(">", i) + 1
+            kept.append(line[i:end])
+            i = end
+        elif line[i] == " ":
+            spaces, i = spaces + 1, i + 1
+        else:
+            break
+    return " " * spaces, "".join(kept) + line[i:]
+
+
+def code_line(line: str, number: int | None = None) -> str:
+    """One line of highlighted code as the site shows it: a long line wraps under its own first
+    character (a little further in), never back at column 0, where it would look dedented."""
+    ws, rest = split_indent(line)
+    anchor = (f' id="L{number}"', f'<a class="ln" href="#L{number}">{number}</a>') if number else ("", "")
+    return (f'<span class="line"{anchor[0]}>{anchor[1]}<span class="ws">{ws}</span>'
+            f'<span class="rest">{rest or " "}</span></span>')
+
+
 def inline(md: MarkdownIt, text: str) -> str:
     """One line of Markdown (a title, a table cell), rendered, through the allow-list."""
     return safe_html(md.renderInline(text))
@@ -335,6 +394,7 @@ class Site:
         """Markdown to HTML: links mapped into the site, headings given ids (unique within
         `used`: one set for all the pieces of one page), fenced code highlighted."""
         md = MarkdownIt("commonmark", {"html": True, "highlight": self.highlight_fence}).enable("table")
+        md.add_render_rule("softbreak", softbreak)
         tokens = md.parse(text)
         used = set() if used is None else used
         for i, tok in enumerate(tokens):
@@ -364,8 +424,10 @@ class Site:
         except ClassNotFound:
             lexer = get_lexer_by_name("text")
         label = f'<span class="lang">{html.escape(lang)}</span>' if lang == "mermaid" else ""
-        kind = "hl output" if name == "text" and lang != "mermaid" else "hl"
-        return f'<pre class="{kind}">{label}<code>{highlight(code, lexer, self.formatter)}</code></pre>'
+        if name == "text" and lang != "mermaid":  # program output: scrolls sideways, as printed
+            return f'<pre class="hl output"><code>{highlight(code, lexer, self.formatter)}</code></pre>'
+        lines = highlight(code, lexer, self.formatter).split("\n")[:len(code.splitlines())]
+        return f'<pre class="hl">{label}<code>{"".join(code_line(l) for l in lines)}</code></pre>'
 
     def code_lines(self, lesson: Lesson) -> list[str]:
         text = lesson.path.read_text()
@@ -379,8 +441,7 @@ class Site:
             hi -= 1
         if hi <= lo:
             return ""
-        rows = "".join(f'<span class="line" id="L{i + 1}"><a class="ln" href="#L{i + 1}">{i + 1}</a>'
-                         f'<span class="src">{lines[i] or " "}</span></span>' for i in range(lo, hi))
+        rows = "".join(code_line(lines[i], i + 1) for i in range(lo, hi))
         rel = lesson.path.relative_to(self.root)
         return (f'<figure class="codebox"><figcaption>{html.escape(label)} · '
                 f'<code>{rel}</code> {lo + 1}-{hi}</figcaption>'
