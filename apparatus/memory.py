@@ -72,7 +72,8 @@ class SavedTensors:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = _local(t).untyped_storage()
         if storage.data_ptr() not in self._skip:
-            is_copy = t.dtype != torch.float32 and tuple(t.shape) in self._shapes
+            # a weight copy is floating point: an int64 index of a bias's shape is an activation
+            is_copy = t.is_floating_point() and t.dtype != torch.float32 and tuple(t.shape) in self._shapes
             self._seen[storage.data_ptr()] = (storage.nbytes(), is_copy)
         return t
 
