@@ -20,7 +20,7 @@ RUN_06 := tools/nodes.py --nnodes 2 --nproc-per-node 2 --
 RUN_07 := tools/nodes.py --elastic --nnodes 1 --nproc-per-node 2 --max-restarts 3 --
 
 # check-% and lesson-% are pattern rules
-.PHONY: checks help venv wheels FORCE lessons test clean distclean docs-output diff bench bench-docs read gpu-check
+.PHONY: checks help venv wheels FORCE lesson-costs lessons test clean distclean docs-output diff bench bench-docs read gpu-check
 
 help:
 	@echo "Distributed PyTorch, Step by Step"
@@ -41,6 +41,7 @@ help:
 		"make test" "run the test suite (pytest, CPU only, about 10 minutes on 2 cores)" \
 		"make bench" "measured speedups and costs (2-3 minutes on 2 cores; writes runs/bench/)" \
 		"make bench-docs" "maintainers: make bench, then rewrite docs/PERFORMANCE.md (en, zh) and its plots" \
+		"make lesson-costs" "maintainers: measure every lesson's cost, rewrite docs/TEACHING.md's table (an hour or more)" \
 		"make gpu-check" "on a GPU machine: every lesson's GPU path against the CPU, one table (runs/gpu-check/)" \
 		"make docs-output" "rerun the commands whose output the docs show (DOCS=docs/01_*.md)" \
 		"make venv [CPU_ONLY=1]" "create .venv and install requirements.txt (done automatically)" \
@@ -78,7 +79,7 @@ FORCE:
 wheels:  ## a classroom's wheel cache: every wheel requirements.txt needs, into WHEELS=folder
 	$(if $(WHEELS),,$(error error: name the folder, e.g. make wheels WHEELS=../wheels; then, on each laptop, make venv WHEELS=../wheels))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -m pip download --disable-pip-version-check --progress-bar on --only-binary=:all: $(PIP_INDEX) -r requirements.txt -d "$(WHEELS)"
+	@$(PY) -m pip download --disable-pip-version-check --progress-bar on --only-binary=:all: $(PIP_INDEX) -r requirements.txt -d "$(WHEELS)" 2> >(grep -v "^WARNING: Location" >&2)
 	@echo "$(WHEELS) holds every wheel; copy it to each laptop, then there: make venv WHEELS=<that folder>"
 
 COMMA := ,
@@ -132,6 +133,9 @@ bench: $(STAMP)  ## measured performance: runs/bench/ (results.json, tables, plo
 
 bench-docs: $(STAMP)  ## rewrite the committed docs/PERFORMANCE.md, docs/zh/PERFORMANCE.md and docs/img/bench/ (needs matplotlib)
 	$(PY) -m bench.run --publish $(ARGS)
+
+lesson-costs: $(STAMP)  ## maintainers: measure what each lesson costs and rewrite docs/TEACHING.md's table (en, zh); an hour or more
+	$(PY) tools/lesson_costs.py $(ARGS)
 
 gpu-check: $(STAMP)  ## every lesson's GPU path against the same run on the CPU: runs/gpu-check/table.md (no CUDA: one line, exit 0)
 	@$(PY) tools/gpu_check.py $(ARGS)

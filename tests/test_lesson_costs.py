@@ -1,5 +1,6 @@
 """tools/lesson_costs.py: the guide's table of what each lesson costs is measured, not typed."""
 import os
+import re
 import sys
 
 import pytest
@@ -22,21 +23,68 @@ def test_memory_is_counted_over_the_whole_process_tree():
 def test_the_table_goes_between_the_markers_and_nowhere_else(tmp_path):
     guide = tmp_path / "guide.md"
     guide.write_text(f"# Guide\n\nbefore\n\n{lc.BEGIN}\nold\n{lc.END}\n\nafter\n")
-    lc.write(guide, lc.table(["| 01 | 8 s | 700 MiB | - | - |"], zh=False))
+    lc.write(guide, lc.table(["| 01 | 30 s | 8-9 s | 700 MiB | - | - | - |"], zh=False,
+                             extra=["| `make lesson-21 ARGS=...` | 1 s | 1 s | 1 MiB |"], loads=[0.2, 0.4]))
     text = guide.read_text()
     assert text.startswith("# Guide\n\nbefore\n\n") and text.endswith("\n\nafter\n")
-    assert "old" not in text and "| 01 | 8 s | 700 MiB | - | - |" in text
+    assert "old" not in text and "| 01 | 30 s | 8-9 s | 700 MiB | - | - | - |" in text
+    assert "heavier runs the exercises ask for" in text and "`make lesson-21 ARGS=...`" in text
     assert not list(tmp_path.glob(".*.tmp"))
     (tmp_path / "none.md").write_text("no markers\n")
     with pytest.raises(SystemExit, match="no <!-- lesson-costs:begin --> marker"):
         lc.write(tmp_path / "none.md", "x")
 
 
+def test_the_load_during_the_runs_is_sampled_and_said():
+    """Wall times depend on what else the machine does: every run samples the load average,
+    and the table's first line says whether the machine was idle or busy, and how busy."""
+    before = len(lc.LOADS)
+    lc.measure([sys.executable, "-c", "import time; time.sleep(2.5)"])
+    assert len(lc.LOADS) >= before + 2 and all(x >= 0 for x in lc.LOADS[before:])
+    idle, _ = lc.conditions([0.1, 0.6], cores=2)
+    busy, busy_zh = lc.conditions([3.0, 9.0], cores=2)
+    assert "idle" in idle and "0.1-0.6" in idle
+    assert "busy" in busy and "3.0-9.0" in busy and "4.5 processes wanting each core" in busy
+    assert "3.0-9.0" in busy_zh
+
+
+def test_the_first_run_is_measured_in_a_copy_with_nothing_cached(tmp_path):
+    """A lesson that caches its baseline in runs/ (as Part 2's reference, lesson 22's runs):
+    the first run, in a scratch copy whose runs/ is empty, pays for it; the later ones read
+    it. Here a stand-in lesson sleeps 2 s when its cache is missing."""
+    copy = lc.scratch_copy(tmp_path)
+    assert (copy / "lessons").is_dir() and (copy / "Makefile").exists() and not (copy / "runs").exists()
+    assert (copy / ".venv").resolve() == (ROOT / ".venv").resolve() and not (copy / ".git").exists()
+    (copy / "lessons" / "99_probe.py").write_text(
+        "import pathlib, sys, time\n"
+        "cache = pathlib.Path(__file__).resolve().parent.parent / 'runs' / 'cache'\n"
+        "if not cache.exists():\n"
+        "    time.sleep(2); cache.parent.mkdir(parents=True, exist_ok=True); cache.write_text('x')\n")
+    (copy / "runs").mkdir()
+    (copy / "runs" / "cache").write_text("left by an earlier run: the first run must not see it")
+    first, later, peak = lc.first_and_later("99", copy, [])
+    seconds = [0.5 if text.startswith("under") else float(text.split()[0].split("-")[-1])
+               for text in (first, later)]
+    assert seconds[0] >= 2 and seconds[1] <= seconds[0] - 1 and peak > 0, (first, later)
+    assert [lc.spread(x) for x in ([0.2, 0.4], [0.4, 1.2], [8.2, 10.6], [9.1, 9.4])] == \
+        ["under 1 s", "1 s", "8-11 s", "9 s"]
+
+
+def test_the_lines_an_answer_changes_are_counted_from_the_files():
+    assert lc.answer_lines("01") is None  # no checked exercise
+    assert lc.answer_lines("21") and lc.answer_lines("21") < lc.answer_lines("23") + 50
+
+
 @pytest.mark.parametrize("guide", ["docs/TEACHING.md", "docs/zh/TEACHING.md"])
 def test_the_guides_hold_a_measured_row_for_every_lesson(guide):
+    """Each lesson's first and later runs, its peak memory and its check; the heavier runs the
+    exercises ask for; and what the machine was doing meanwhile."""
     text = (ROOT / guide).read_text()
     inside = text.split(lc.BEGIN, 1)[1].split(lc.END, 1)[0]
     rows = [line for line in inside.splitlines() if line.startswith("| ") and line[2:4].isdigit()]
-    assert [r[2:4] for r in rows] == lc.lessons([]), "rerun: .venv/bin/python tools/lesson_costs.py"
-    assert all(" s |" in r and "MiB" in r and "failed" not in r for r in rows), rows
-    assert os.cpu_count() and "tools/lesson_costs.py" in inside
+    assert [r[2:4] for r in rows] == lc.lessons([]), "rerun: make lesson-costs"
+    assert all(len(re.findall(r"\d s \||under 1 s \|", r)) >= 2 and "MiB" in r and "failed" not in r
+               for r in rows), rows
+    assert os.cpu_count() and "make lesson-costs" in inside and "load average" in inside
+    for num, flags, _ in lc.EXERCISE_RUNS:
+        assert f"`make lesson-{num} ARGS=\"{' '.join(flags)}\"`" in inside, "rerun: make lesson-costs"

@@ -1,21 +1,30 @@
 """What each lesson costs a classroom, measured: `make lesson-NN`'s default run (wall time and
-the peak memory of all its processes together) and `make check-NN` on the solution (what
-grading one student's file takes). Writes the table between the markers in docs/TEACHING.md
-and docs/zh/TEACHING.md, so the guide's numbers are this machine's, never typed by hand.
+the peak memory of all its processes together), its first run apart from the later ones, the
+heavier runs the exercises ask for, and `make check-NN` on the solution (what grading one
+student's file takes). Writes the tables between the markers in docs/TEACHING.md and
+docs/zh/TEACHING.md, so the guide's numbers are this machine's, never typed by hand.
 
-    .venv/bin/python tools/lesson_costs.py            # every lesson and check; rewrites both guides
+    make lesson-costs                                 # the same as the next line
+    .venv/bin/python tools/lesson_costs.py            # everything; rewrites both guides (about an hour idle)
     .venv/bin/python tools/lesson_costs.py 01 15      # some lessons; prints the rows only
 
-Run it on an otherwise idle machine: the numbers are wall-clock seconds. Memory is the sum of
-the proportional set sizes (PSS) of the lesson's process and everything under it, sampled
-every 0.1 s: the peak a laptop must hold (summed RSS would count torch's shared libraries
-once per process). One run each; expect a few percent from run to run.
+Each lesson runs in a scratch copy of the repository whose runs/ starts empty, as in a fresh
+clone: its first run trains and caches what it compares with (lesson 13's reference for Part
+2, lesson 22's one-process runs), then it runs twice more (the later runs, read from that
+cache). The numbers are wall-clock seconds, so they depend on what else the machine does: the
+load average (processes wanting a core, from /proc/loadavg) is sampled during every run and
+the table says what it was. Memory is the sum of the proportional set sizes (PSS) of the
+lesson's process and everything under it, sampled every 0.1 s: the peak a laptop must hold
+(summed RSS would count torch's shared libraries once per process; /usr/bin/time -v reports
+the largest single process only).
 """
 from __future__ import annotations
 
+import difflib
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv" / "bin" / "python")
 BEGIN, END = "<!-- lesson-costs:begin -->", "<!-- lesson-costs:end -->"
 CLASS = 30  # students whose files a teacher checks one after the other
+# The heavier runs the exercises ask for (docs 21 and 22): (lesson, flags, what the doc asks)
+EXERCISE_RUNS = [("21", ["--world-size", "8"], "exercise 2: N = 8"),
+                 ("22", ["--world-size", "4", "--experts", "8", "--top-k", "2"], "exercises: E = 8, k = 2 on 4 ranks")]
+LATER_RUNS = 2  # after the first: their spread is the range a teacher plans with
 
 
 def descendants(pid: int) -> set[int]:
@@ -61,18 +74,54 @@ def pss_bytes(pids: set[int]) -> int:
     return total
 
 
-def measure(cmd: list[str], timeout: float = 600) -> tuple[float, int, int]:
+def load_average() -> float:
+    """The 1-minute load average: processes running or wanting a core (Linux /proc/loadavg)."""
+    try:
+        return float(open("/proc/loadavg").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+LOADS: list[float] = []  # every load average sampled during a measured run
+
+
+def measure(cmd: list[str], timeout: float = 900, cwd: Path = ROOT) -> tuple[float, int, int]:
     """(wall seconds, peak summed PSS in bytes, exit code) of `cmd` and all it starts."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "100"})
-    peak = 0
+    peak, sampled = 0, time.monotonic()
     while proc.poll() is None:
         peak = max(peak, pss_bytes(descendants(proc.pid)))
         if time.monotonic() - start > timeout:
             proc.kill()
+        if time.monotonic() - sampled >= 1:
+            LOADS.append(load_average())
+            sampled = time.monotonic()
         time.sleep(0.1)
     return time.monotonic() - start, peak, proc.returncode
+
+
+def scratch_copy(folder: Path) -> Path:
+    """The repository's files (not .git, runs/, data/) in `folder`, its .venv a link to ours:
+    lessons there find ROOT = folder, so their caches (runs/reference-*) start empty."""
+    copy = folder / "repo"
+    shutil.copytree(ROOT, copy, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "runs", "data", "__pycache__", ".pytest_cache"))
+    (copy / ".venv").symlink_to(ROOT / ".venv")
+    return copy
+
+
+def answer_lines(num: str) -> int | None:
+    """How many lines of the starter the checked answer changes (a diff of the two files)."""
+    starters = sorted((ROOT / "exercises").glob(f"{num}_*.py"))
+    answers = sorted((ROOT / "tests" / "solutions").glob(f"{num}_*.py"))
+    if not starters or not answers:
+        return None
+    old = [line for line in starters[0].read_text().splitlines() if line.strip()]  # blank lines
+    new = [line for line in answers[0].read_text().splitlines() if line.strip()]   # do not count
+    diff = difflib.unified_diff(old, new, lineterm="", n=0)
+    return sum(1 for l in diff if l.startswith("+") and not l.startswith("+++"))
 
 
 def lessons(wanted: list[str]) -> list[str]:
@@ -84,41 +133,96 @@ def shown(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds >= 1 else "under 1 s"
 
 
-def row(num: str, out: Path) -> str:
-    lesson = sorted((ROOT / "lessons").glob(f"{num}_*.py"))[0]
-    makefile = (ROOT / "Makefile").read_text()
-    launcher = re.search(rf"^RUN_{num} := (.*)$", makefile, re.M)
-    cmd = [PY, *(launcher.group(1).split() if launcher else []), str(lesson), "--out", str(out / num)]
-    seconds, peak, code = measure(cmd)
-    cells = [num, shown(seconds) if code == 0 else f"failed ({code})", f"{peak / 2**20:,.0f} MiB"]
+def spread(seconds: list[float]) -> str:
+    """The range of several runs: "8-11 s" (or "9 s", "under 1 s")."""
+    if max(seconds) < 1:
+        return "under 1 s"
+    low, high = max(1, round(min(seconds))), round(max(seconds))
+    return f"{high} s" if low == high else f"{low}-{high} s"
+
+
+def lesson_command(num: str, copy: Path, flags: list[str]) -> list[str]:
+    """What `make lesson-NN ARGS=...` runs (the Makefile's launcher for 06 and 07), in `copy`."""
+    lesson = sorted((copy / "lessons").glob(f"{num}_*.py"))[0]
+    launcher = re.search(rf"^RUN_{num} := (.*)$", (ROOT / "Makefile").read_text(), re.M)
+    return [PY, *(launcher.group(1).split() if launcher else []), str(lesson), *flags]
+
+
+def first_and_later(num: str, copy: Path, flags: list[str]) -> tuple[str, str, int]:
+    """(first run, later runs, peak bytes): the first in a copy whose runs/ is empty."""
+    shutil.rmtree(copy / "runs", ignore_errors=True)
+    out = ["--out", str(copy / "runs" / "measured")]
+    runs = [measure(lesson_command(num, copy, flags + out), cwd=copy) for _ in range(1 + LATER_RUNS)]
+    failed = next((code for _, _, code in runs if code != 0), None)
+    if failed is not None:
+        return f"failed ({failed})", f"failed ({failed})", 0
+    return shown(runs[0][0]), spread([s for s, _, _ in runs[1:]]), max(p for _, p, _ in runs)
+
+
+def row(num: str, copy: Path) -> str:
+    first, later, peak = first_and_later(num, copy, [])
+    cells = [num, first, later, f"{peak / 2**20:,.0f} MiB"]
     solutions = sorted((ROOT / "tests" / "solutions").glob(f"{num}_*.py"))
     if solutions:
         check_s, check_peak, check_code = measure([PY, "tools/check_exercise.py", num, str(solutions[0])])
         cells += [shown(check_s) if check_code == 0 else f"failed ({check_code})",
-                  f"{check_s * CLASS / 60:.0f} min" if check_s * CLASS >= 60 else "under 1 min"]
+                  f"{check_s * CLASS / 60:.0f} min" if check_s * CLASS >= 60 else "under 1 min",
+                  str(answer_lines(num))]
     else:
-        cells += ["-", "-"]
+        cells += ["-", "-", "-"]
     print(" | ".join(cells), file=sys.stderr, flush=True)
     return "| " + " | ".join(cells) + " |"
 
 
-def table(rows: list[str], zh: bool) -> str:
-    cpu = f"{os.cpu_count()} cores, {platform.machine()}"
+def exercise_row(num: str, flags: list[str], why: str, copy: Path) -> str:
+    first, later, peak = first_and_later(num, copy, flags)
+    cells = [f"`make lesson-{num} ARGS=\"{' '.join(flags)}\"` ({why})", first, later, f"{peak / 2**20:,.0f} MiB"]
+    print(" | ".join(cells), file=sys.stderr, flush=True)
+    return "| " + " | ".join(cells) + " |"
+
+
+def conditions(loads: list[float], cores: int) -> tuple[str, str]:
+    """How busy the machine was while it measured (en, zh): the load average's range."""
+    loads = [x for x in loads if x == x] or [0.0]
+    low, high = min(loads), max(loads)
+    if high <= cores / 2:
+        return (f"an otherwise idle machine (load average {low:.1f}-{high:.1f})",
+                f"空闲的机器上（平均负载 {low:.1f}-{high:.1f}）")
+    return (f"a machine other jobs kept busy (load average {low:.1f}-{high:.1f}, that is up to "
+            f"{high / cores:.1f} processes wanting each core): on an idle laptop expect shorter times",
+            f"被其他任务占得很忙的机器上（平均负载 {low:.1f}-{high:.1f}，即每个核最多有 {high / cores:.1f} 个进程在等）："
+            f"空闲的笔记本上会更快")
+
+
+def table(rows: list[str], zh: bool, extra: list[str] = (), loads: list[float] = ()) -> str:
+    cores = os.cpu_count() or 1
+    cpu = f"{cores} cores, {platform.machine()}"
     when = time.strftime("%Y-%m-%d")
+    busy_en, busy_zh = conditions(list(loads), cores)
     if zh:
-        head = (f"由 `.venv/bin/python tools/lesson_costs.py` 在 {cpu} 的空闲机器上测得（{when}）："
-                f"默认运行的墙钟时间和它所有进程合计的内存峰值（PSS：共享的页按进程数分摊）；对参考答案运行一次检查的时间；"
-                f"依次检查 {CLASS} 名学生的文件所需的时间。\n\n"
-                "| 课 | 默认运行 | 内存峰值（所有进程） | 检查一个文件 | 检查 30 个文件 |\n"
-                "|----|----------|----------------------|--------------|----------------|")
+        head = (f"由 `make lesson-costs`（`.venv/bin/python tools/lesson_costs.py`）在 {cpu} 的{busy_zh}测得（{when}）。"
+                f"首次运行：在 runs/ 为空的副本里（如同新克隆），训练并缓存它要对照的基准；之后的运行：再运行 {LATER_RUNS} 次，"
+                f"读缓存（给出范围）。内存峰值：它所有进程合计（PSS：共享的页按进程数分摊），取各次运行的最大值；"
+                f"对参考答案运行一次检查的时间；依次检查 {CLASS} 名学生的文件所需的时间；答案改动起始文件的行数。\n\n"
+                "| 课 | 首次运行 | 之后的运行 | 内存峰值（所有进程） | 检查一个文件 | 检查 30 个文件 | 答案改动的行数 |\n"
+                "|----|----------|------------|----------------------|--------------|----------------|----------------|")
+        tail = ("\n\n练习要求的较重的运行（同样测得）：\n\n"
+                "| 运行 | 首次运行 | 之后的运行 | 内存峰值（所有进程） |\n"
+                "|------|----------|------------|----------------------|") if extra else ""
     else:
-        head = (f"Measured by `.venv/bin/python tools/lesson_costs.py` on an idle machine with {cpu} "
-                f"({when}): the default run's wall time and the peak memory of all its processes "
-                f"together (PSS: a page shared by k processes counts once); one check of the solution; checking {CLASS} students' files one after "
-                f"the other.\n\n"
-                "| lesson | default run | peak memory (all processes) | check one file | check 30 files |\n"
-                "|--------|-------------|-----------------------------|----------------|----------------|")
-    return "\n".join([BEGIN, head, *rows, END])
+        head = (f"Measured by `make lesson-costs` (`.venv/bin/python tools/lesson_costs.py`) on {busy_en}; "
+                f"{cpu} ({when}). First run: in a copy whose runs/ is empty, as in a fresh clone; it "
+                f"trains and caches what the lesson compares with. Later runs: {LATER_RUNS} more, "
+                f"read from that cache (their range). Peak memory: all its processes together (PSS: a "
+                f"page shared by k processes counts once), the largest of the runs. One check of the "
+                f"solution; checking {CLASS} students' files one after the other; the lines the "
+                f"answer changes in the starter.\n\n"
+                "| lesson | first run | later runs | peak memory (all processes) | check one file | check 30 files | answer: lines changed |\n"
+                "|--------|-----------|------------|-----------------------------|----------------|----------------|-----------------------|")
+        tail = ("\n\nThe heavier runs the exercises ask for, measured the same way:\n\n"
+                "| run | first run | later runs | peak memory (all processes) |\n"
+                "|-----|-----------|------------|-----------------------------|") if extra else ""
+    return "\n".join([BEGIN, head, *rows]) + (tail + "\n" + "\n".join(extra) if extra else "") + "\n" + END
 
 
 def write(path: Path, text: str) -> None:
@@ -133,13 +237,15 @@ def write(path: Path, text: str) -> None:
 
 def main() -> None:
     wanted = [a.zfill(2) for a in sys.argv[1:]]
-    with tempfile.TemporaryDirectory() as folder:
-        rows = [row(n, Path(folder)) for n in lessons(wanted)]
+    with tempfile.TemporaryDirectory(prefix="lesson-costs-") as folder:
+        copy = scratch_copy(Path(folder))
+        rows = [row(n, copy) for n in lessons(wanted)]
+        extra = [] if wanted else [exercise_row(n, flags, why, copy) for n, flags, why in EXERCISE_RUNS]
     if wanted:
         print("\n".join(rows))
         return
-    write(ROOT / "docs" / "TEACHING.md", table(rows, zh=False))
-    write(ROOT / "docs" / "zh" / "TEACHING.md", table(rows, zh=True))
+    write(ROOT / "docs" / "TEACHING.md", table(rows, zh=False, extra=extra, loads=LOADS))
+    write(ROOT / "docs" / "zh" / "TEACHING.md", table(rows, zh=True, extra=extra, loads=LOADS))
     print("wrote docs/TEACHING.md and docs/zh/TEACHING.md")
 
 
