@@ -6,7 +6,8 @@ New since lesson 13: N ranks each hold 1/N of every sequence and the whole model
 values travel around a ring of ranks while each rank computes on the block it holds; partial
 results merge by the log-sum-exp rule (online softmax); backward, by hand, sends their
 gradients around too (lessons/21_context_parallel/). Causal masking loads the last rank most;
-the balanced layout evens it out. It ends with lesson 13's weights.
+the balanced layout evens it out. Each rank saves 1/N of lesson 13's activations for backward,
+the reason context parallel exists, and it ends with lesson 13's weights.
 
 Run:
     make lesson-21
@@ -161,10 +162,13 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
 
-    # Step 8: Count the bytes each rank sends and the scores it holds
+    # Step 8: Count the bytes each rank sends and the activations it saves
     # Per layer and step, beside the formulas; a block is our keys (or values): B x S/N x D floats.
-    ui.step(8, "Count the bytes each rank sends and the scores it holds")
-    counted = ring_measure.show_bytes_and_scores(ring, sent, args.steps, world, ui)
+    # Then why CP pays: a rank saves for backward only its tokens' activations, every layer's.
+    ui.step(8, "Count the bytes each rank sends and the activations it saves")
+    counted = ring_measure.show_bytes(ring, sent, args.steps, world, ui)
+    forward = functools.partial(forward_context_parallel, model, ring=ring)
+    saved = ring_measure.show_activations(model, forward, ring, args.seed, device, ui)
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
         return
@@ -180,7 +184,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         lesson="21", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out,
-        loss_floor=floor, layout=args.layout, **checked, work_per_rank=work, **counted,
+        loss_floor=floor, layout=args.layout, **checked, work_per_rank=work, **counted, **saved,
         **compared))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")

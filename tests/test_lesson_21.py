@@ -1,21 +1,37 @@
 """Lesson 21: context parallel, ring attention by hand. Two runs of the lesson through its
 real launcher feed the end-to-end assertions (2 ranks, contiguous, 20 steps; 4 ranks,
 balanced, 3 steps): attention and its gradients against F.scaled_dot_product_attention, lesson
-13's weights, each rank's work in both layouts, the bytes beside the formulas, the scores held.
-The layout helpers are checked in this process for every allowed world size; a bad world size
-is refused before any rank starts; torch's own context_parallel is shown to refuse the CPU."""
+13's weights, each rank's work in both layouts, the bytes beside the formulas, the activations
+each rank saves against lesson 13's (the reason for context parallel) and the scores. The
+layout helpers, and the ring in a world of one against lesson 13's SDPA, are checked in this
+process; a bad world size is refused before any rank starts; torch's own context_parallel is
+shown to refuse the CPU, and the doc's Going further names only what the pinned torch has."""
+import functools
 import re
 
 import pytest
 
 from common import transformer as T
-from conftest import import_lesson, load_run, max_abs_diff, one_error_line, parse_error, run, run_lesson, weights_line
+from conftest import ROOT, import_lesson, load_run, max_abs_diff, one_error_line, parse_error, run, run_lesson, weights_line
 
 from common.distributed import run_ranks
 
-import ring_attention as R  # noqa: E402  (lessons/21_context_parallel/, on the path by conftest)
+import ring_attention  # lessons/21_context_parallel/, on the path by conftest
+import ring_measure
 
 RUNS = {2: ("contiguous", 20), 4: ("balanced", 3)}  # world size: (training layout, steps)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the lesson's ranks compute: the in-process forwards below take
+    milliseconds instead of seconds on a loaded 2-core machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +99,54 @@ def test_bytes_sent_match_the_formulas(lessons, world):
 
 
 @pytest.mark.parametrize("world", sorted(RUNS))
-def test_each_rank_holds_one_tile_of_scores(lessons, world):
+def test_each_rank_saves_1_over_n_of_lesson_13s_activations(lessons, world, one_thread):
+    """Issue 34, item 4: what context parallel buys is 1/N of every layer's saved activations,
+    measured with lesson 13's own instrument against lesson 13's model in one process."""
+    out, _, metrics = lessons[world]
+    x, y = T.batch(0)
+    model = T.make_model()
+    whole = ring_measure.saved_activation_bytes(model, model, x, y)  # here, not the lesson's number
+    assert metrics["saved_activation_bytes_lesson_13"] == whole
+    mine = metrics["saved_activation_bytes_per_rank"]
+    assert len(mine) == world and len(set(mine)) == 1  # every rank the same share
+    assert mine[0] * world - whole == 4 * (world - 1)  # 1/N of every per-token byte; the loss's
+    # one 4-byte scalar (not per token) is on every rank whole
+    assert mine[0] >= 2 * T.N_BLOCKS * T.GLOBAL_BATCH * (T.SEQ // world) * T.DIM * 4  # K and V among them
+    assert re.search(rf"│ rank {world - 1} +│ {mine[-1]:,} +│ {1 / world:.3f} \(1/N = {1 / world:.3f}\) +│", out)
+    assert re.search(rf"│ lesson 13, one process +│ {whole:,} +│", out)
+    assert "each rank saves 1/N of every layer's activations" in out
+
+
+@pytest.mark.parametrize("world", sorted(RUNS))
+def test_each_rank_computes_one_tile_of_scores_and_that_is_not_the_reason(lessons, world):
     out, _, metrics = lessons[world]
     whole = T.GLOBAL_BATCH * T.N_HEADS * T.SEQ * T.SEQ * 4
     assert metrics["score_bytes_whole_sequence"] == whole
     assert metrics["score_bytes_per_rank"] * (2 * world) ** 2 == whole
     assert f"1/{(2 * world) ** 2} = 1/(2N)^2" in out
+    assert "lesson 13's SDPA saves none either" in out and "not what N ranks buy" in out
+    assert "that is why context parallel exists" not in (ROOT / "docs" / "21_context_parallel.md").read_text()
+
+
+def test_the_ring_in_a_world_of_one_saves_what_lesson_13s_sdpa_saves(one_thread):
+    """The doc's claim that one process never held the scores either: the ring keeps q, k, v,
+    the output and its log-sum-exp by construction (save_for_backward, no scores); in a world
+    of one (no process group, no hop) it saves exactly the bytes of lesson 13's model, whose
+    SDPA is a flash-attention kernel on the CPU. A saved (B, heads, S, S) block of scores per
+    layer would add 786,432 bytes each."""
+    import torch
+
+    lesson = import_lesson("21")
+    x, y = T.batch(0)
+    sdpa = T.make_model()
+    ring = ring_attention.Ring("contiguous", 0, 1, T.SEQ)
+    model = T.make_model()
+    for block in model.blocks:
+        block.attn.forward = functools.partial(lesson.context_parallel_attention, block.attn, ring=ring)
+    forward = functools.partial(lesson.forward_context_parallel, model, ring=ring)
+    torch.testing.assert_close(forward(x), sdpa(x), rtol=0, atol=1e-5)  # the same model
+    ours, theirs = (ring_measure.saved_activation_bytes(m, f, x, y) for m, f in ((model, forward), (sdpa, sdpa)))
+    assert ours == theirs, (ours, theirs)
 
 
 def test_prints_the_steps_in_order_and_keeps_lesson_13s_demonstrations_in_13(lessons):
@@ -104,22 +162,22 @@ def test_prints_the_steps_in_order_and_keeps_lesson_13s_demonstrations_in_13(les
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_layouts_deal_every_position_once_and_the_tiles_follow_the_formulas(world):
     for layout in ("contiguous", "balanced"):
-        rings = [R.Ring(layout, r, world, T.SEQ) for r in range(world)]
+        rings = [ring_attention.Ring(layout, r, world, T.SEQ) for r in range(world)]
         held = sorted(p for ring in rings for p in ring.mine.tolist())
         assert held == list(range(T.SEQ)), layout
         tiles = [sum(len(ring.tiles_of(owner)) for owner in range(world)) for ring in rings]
         assert tiles == ([4 * r + 3 for r in range(world)] if layout == "contiguous" else [2 * world + 1] * world)
-    assert R.chunks_of(1, 4, "balanced") == (1, 6) and R.chunks_of(1, 4, "contiguous") == (2, 3)
-    assert R.spans(R.positions(0, 2, "balanced", T.SEQ)) == "0-7, 24-31"
+    assert ring_attention.chunks_of(1, 4, "balanced") == (1, 6) and ring_attention.chunks_of(1, 4, "contiguous") == (2, 3)
+    assert ring_attention.spans(ring_attention.positions(0, 2, "balanced", T.SEQ)) == "0-7, 24-31"
 
 
 def test_merge_is_softmax_over_both_parts():
     import torch
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, 8, generator=g) * 30 for n in (5, 12, 12))  # large scores too
-    (a, la), (b, lb) = R.attend(q, k[..., :5, :], v[..., :5, :], None), R.attend(q, k[..., 5:, :], v[..., 5:, :], None)
-    out, lse = R.merge(a, la, b, lb)
-    whole, whole_lse = R.attend(q, k, v, None)
+    (a, la), (b, lb) = ring_attention.attend(q, k[..., :5, :], v[..., :5, :], None), ring_attention.attend(q, k[..., 5:, :], v[..., 5:, :], None)
+    out, lse = ring_attention.merge(a, la, b, lb)
+    whole, whole_lse = ring_attention.attend(q, k, v, None)
     torch.testing.assert_close(out, whole)
     torch.testing.assert_close(lse, whole_lse)
 
@@ -167,3 +225,36 @@ def test_torch_context_parallel_has_no_cpu_sharding_strategy():
     for text in run_ranks(_torch_context_parallel, 2, ()):
         assert "aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding " \
                "strategy registered" in text, text
+
+
+def test_going_further_names_what_the_pinned_torch_has():
+    """Issue 34, item 6: torch 2.14.1's FlexAttention context-parallel path and its three load
+    balancers are described, by names that exist in the pinned torch, in both languages."""
+    from torch.distributed.tensor.experimental import _context_parallel as cp
+    from torch.distributed.tensor.experimental._context_parallel import _attention, _load_balancer
+
+    names = {"_ContextParallel": cp, "flex_cp_allgather": cp, "_context_parallel_shard": cp,
+             "context_parallel_unshard": cp, "_HeadTailLoadBalancer": _load_balancer,
+             "_PerDocumentHeadTailLoadBalancer": _load_balancer, "_PTRRLoadBalancer": _load_balancer,
+             "_create_cp_block_mask": _attention, "set_rotate_method": _attention}
+    assert cp._ContextParallel.AttentionType.FLEX.value == "flex_attention"
+    for doc in ("21_context_parallel.md", "zh/21_context_parallel.md"):
+        text = (ROOT / "docs" / doc).read_text()
+        for name, module in names.items():
+            assert hasattr(module, name), name
+            assert f"`{name}" in text, (doc, name)
+
+
+def test_the_doc_explains_merge_without_printing_the_exercises_answer():
+    """The classroom (issue 34): exercise 21 asks for merge; the doc explains the rule in
+    words and does not print the lesson's merge lines, in either language."""
+    import inspect
+
+    body = [line.strip() for line in inspect.getsource(ring_attention.merge).splitlines()
+            if line.strip().startswith(("new =", "return"))]
+    assert len(body) == 2, body
+    for doc in ("21_context_parallel.md", "zh/21_context_parallel.md"):
+        text = (ROOT / "docs" / doc).read_text()
+        for line in body:
+            assert line not in text, (doc, line)
+        assert "exercise 21" in text.lower() or "练习 21" in text

@@ -5,8 +5,11 @@
                                                 against F.scaled_dot_product_attention on the
                                                 whole sequence in one process (max abs diff)
     show_work(rings, world, ui)                 Step 4: tiles of scores each rank computed
-    show_bytes_and_scores(ring, sent, ...)      Step 8: bytes sent per layer and step beside
-                                                the formulas; the largest block of scores held
+    show_bytes(ring, sent, steps, world, ui)    Step 8: bytes sent per layer and step beside
+                                                the formulas
+    saved_activation_bytes(model, forward, x, y)  what one training forward saves for backward
+    show_activations(model, forward, ring, ...) Step 8: those bytes on every rank against lesson
+                                                13's whole batch in one process; the scores
     each_rank(value)                            [value of rank 0, of rank 1, ...] on every rank
 """
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from apparatus.memory import SavedTensors
 from common import transformer as T
 from ring_attention import RingAttention, spans
 
@@ -88,10 +92,9 @@ def show_work(rings: dict, world: int, ui) -> dict:
     return work
 
 
-def show_bytes_and_scores(ring, sent: dict, steps: int, world: int, ui) -> dict:
+def show_bytes(ring, sent: dict, steps: int, world: int, ui) -> dict:
     """What one rank sent per layer and training step (measured: the ring's own count of
-    every isend), beside the formulas; the largest tile of scores against the whole
-    sequence's. Returns the numbers for metrics.json."""
+    every isend), beside the formulas. Returns the numbers for metrics.json."""
     block = T.GLOBAL_BATCH * (T.SEQ // world) * T.DIM * 4  # our keys (or values), all heads
     formula = {"forward": (world - 1) * 2 * block,
                "backward": (world - 1) * 2 * block + (world - 1) * 2 * block}
@@ -101,11 +104,41 @@ def show_bytes_and_scores(ring, sent: dict, steps: int, world: int, ui) -> dict:
     ui.table(f"Bytes each rank sends per layer and step (K or V of our tokens: {block:,} bytes)",
              ["pass", "measured", "formula", "what travels, per rank"],
              [[phase, shown(per_layer[phase]), f"{formula[phase]:,}", what[phase]] for phase in formula])
-    whole = T.GLOBAL_BATCH * T.N_HEADS * T.SEQ * T.SEQ * 4
-    ui.print(f"scores held at once: {ring.score_bytes:,} bytes per rank (one tile), against "
-             f"{whole:,} for the whole sequence's (B, heads, S, S): 1/{whole / ring.score_bytes:.0f} "
-             f"= 1/(2N)^2")
     return {"bytes_sent_per_step": {p: [b * T.N_BLOCKS for b in per_layer[p]] for p in formula},
             "bytes_sent_per_step_formula": {p: b * T.N_BLOCKS for p, b in formula.items()},
-            "bytes_sent_per_layer": per_layer, "bytes_sent_per_layer_formula": formula,
-            "score_bytes_per_rank": ring.score_bytes, "score_bytes_whole_sequence": whole}
+            "bytes_sent_per_layer": per_layer, "bytes_sent_per_layer_formula": formula}
+
+
+def saved_activation_bytes(model, forward, x, y) -> int:
+    """The bytes autograd keeps for backward in one training forward of `forward` (loss
+    included), measured as lesson 13's Step 7 measures them: apparatus/memory.py's
+    SavedTensors, each storage once, the weights left out."""
+    with SavedTensors(model) as saved:
+        T.loss_fn(forward(x), y)
+    return saved.bytes
+
+
+def show_activations(model, forward, ring, seed: int, device, ui) -> dict:
+    """What context parallel buys: each rank saves for backward only its tokens' activations,
+    in every layer (its K and V among them). Batch 0 through the ring on every rank (a
+    collective: every rank calls it), against lesson 13's model on the whole batch in one
+    process; then the scores, which tiling already keeps small in one process."""
+    x, y = T.batch(0, seed)
+    mine = saved_activation_bytes(model, forward, x[:, ring.mine].to(device), y[:, ring.mine].to(device))
+    lesson_13 = T.make_model(seed).to(device)  # SDPA, the whole sequence, one process
+    whole = saved_activation_bytes(lesson_13, lesson_13, x.to(device), y.to(device))
+    every = each_rank(mine)
+    ui.table("Saved for backward by one training forward (batch 0; SavedTensors, as lesson 13's Step 7)",
+             ["who", "bytes", "of lesson 13's"],
+             [["lesson 13, one process", f"{whole:,}", "1"]]
+             + [[f"rank {r}", f"{b:,}", f"{b / whole:.3f} (1/N = {1 / ring.world:.3f})"] for r, b in enumerate(every)])
+    block = T.GLOBAL_BATCH * (T.SEQ // ring.world) * T.DIM * 4
+    ui.print(f"each rank saves 1/N of every layer's activations, its K and V among them "
+             f"({2 * T.N_BLOCKS} x {block:,} bytes; lesson 13: {2 * T.N_BLOCKS} x {block * ring.world:,}): "
+             f"for a sequence N times as long, a rank saves what one process saves for this one")
+    scores = T.GLOBAL_BATCH * T.N_HEADS * T.SEQ * T.SEQ * 4
+    ui.print(f"scores: one tile at a time ({ring.score_bytes:,} bytes, 1/{scores / ring.score_bytes:.0f} "
+             f"= 1/(2N)^2 of the whole sequence's {scores:,}) and none saved; lesson 13's SDPA saves "
+             f"none either (flash attention tiles in one process too): not what N ranks buy")
+    return {"saved_activation_bytes_per_rank": every, "saved_activation_bytes_lesson_13": whole,
+            "score_bytes_per_rank": ring.score_bytes, "score_bytes_whole_sequence": scores}

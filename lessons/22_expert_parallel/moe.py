@@ -65,11 +65,31 @@ class Setup:
     @property
     def capacity(self) -> int:
         """Slots per expert and row: a row's SEQ x top_k assignments spread evenly, times the factor."""
-        return max(1, math.ceil(self.factor * self.top_k * T.SEQ / self.experts))
+        return self.capacity_of(T.SEQ)
+
+    def capacity_of(self, group: int) -> int:
+        """Slots per expert for a group of `group` tokens (the lesson's group is one row)."""
+        return max(1, math.ceil(self.factor * self.top_k * group / self.experts))
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    def uniform_drop(self, group: int = T.SEQ) -> float:
+        """The share of assignments a perfectly uniform router drops, expected, exactly: each
+        token's k experts drawn at random, an expert's assignments in a group of `group`
+        tokens are X ~ Binomial(group, k/E), and past its capacity C it drops max(0, X - C):
+        E x E[max(0, X - C)] / (k x group). The group is a row (T.SEQ) here; C grows with it."""
+        cap = self.capacity_of(group)
+        p = self.top_k / self.experts  # the chance that one expert is among a token's k
+
+        def chance(x: int) -> float:  # P(X = x), in logs: comb(1536, 768) overflows a float
+            if p == 1.0:
+                return float(x == group)
+            return math.exp(math.lgamma(group + 1) - math.lgamma(x + 1) - math.lgamma(group - x + 1)
+                            + x * math.log(p) + (group - x) * math.log1p(-p))
+        over = sum((x - cap) * chance(x) for x in range(cap + 1, group + 1))
+        return self.experts * over / (self.top_k * group)
 
 
 class MoE(nn.Module):
@@ -92,6 +112,11 @@ class MoE(nn.Module):
         All in (rows, k, SEQ) order: per row, every token's first choice, then the second ones."""
         probs = self.router(x).softmax(-1)                      # (B, S, E)
         weight, expert = probs.topk(self.k, dim=-1)             # (B, S, k)
+        # k > 1, as GShard and Mixtral: the k chosen weights renormalized to sum to 1. k = 1, as the
+        # Switch Transformer: the probability itself (renormalized it would always be 1, and the
+        # main loss would teach the router nothing)
+        if self.k > 1:
+            weight = weight / weight.sum(-1, keepdim=True)
         weight, expert = weight.transpose(1, 2), expert.transpose(1, 2)  # (B, k, S)
         onehot = F.one_hot(expert.flatten(1), self.E)           # (B, k*S, E)
         slot = (onehot.cumsum(1) * onehot).sum(-1) - 1          # place in its expert's queue, this row
@@ -233,17 +258,18 @@ def train_single(setup: Setup, steps: int) -> dict:
     return result
 
 
-def train_baselines(args) -> dict:
-    """{Setup: train_single's answer} for this run's flags and the capacity factors 1.0 and 2.0
-    (Step 11): those not cached yet are computed at once, one process each (the lessons' spawn,
-    without a process group), so that two cores do two runs."""
+def train_baselines(args) -> tuple[dict, list]:
+    """({Setup: train_single's answer}, [the Setups trained now]) for this run's flags and the
+    capacity factors 1.0 and 2.0 (Step 11): those not cached yet are computed at once, one
+    process each (the lessons' spawn, without a process group), so that two cores do two runs;
+    the others are read from the cache."""
     from common.distributed import spawn
 
     setups = [dataclasses.replace(Setup.of(args), factor=f) for f in sorted({1.0, 2.0, args.capacity_factor})]
     todo = [s for s in setups if not reference_path(s, args.steps).exists()]
     if todo:
         spawn(_baseline, (todo, args.steps), len(todo))
-    return {s: train_single(s, args.steps) for s in setups}
+    return {s: train_single(s, args.steps) for s in setups}, todo
 
 
 def _baseline(i: int, todo: list, steps: int) -> None:
@@ -256,7 +282,9 @@ def add_flags(parser) -> None:
     parser.add_argument("--experts", type=positive_int, default=4,
                         help="experts per block (E); each rank holds E / world size of them")
     parser.add_argument("--top-k", type=positive_int, default=1,
-                        help="experts per token (k): 1 as in the Switch Transformer, 2 as in GShard")
+                        help="experts per token (k): 1 as in the Switch Transformer (the weight is "
+                             "the router's probability); 2 or more as in GShard and Mixtral (the k "
+                             "weights renormalized to sum to 1)")
     parser.add_argument("--capacity-factor", type=positive_float, default=1.0,
                         help="slots per expert and row = factor x k x tokens per row / E, rounded up")
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64",

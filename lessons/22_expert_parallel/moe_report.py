@@ -7,16 +7,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from apparatus.results import shown
 from common import transformer as T
-from moe import AUX_COEF, Setup, aux_loss, moe_model
+from moe import AUX_COEF, Setup, aux_loss, moe_model, reference_path
 
 
-def show_baselines(refs: dict, ui) -> None:
-    ui.print("one process each, every expert local (cached in runs/reference-22/ for the next run):")
+def show_baselines(refs: dict, trained: list, steps: int, ui) -> None:
+    """Step 1's runs, each saying whether it was trained now or read from the cache."""
+    folder = shown(reference_path(next(iter(refs)), steps).parent)
+    ui.print(f"one process each, every expert local; the cache: {folder}/", markup=False)  # a path is text
     for setup, ref in refs.items():
         c = ref["counts"]
+        where = ("trained now, cached for the next run" if setup in trained
+                 else "read from the cache, trained by an earlier run")
         ui.print(f"capacity factor {setup.factor}: loss {ref['losses'][0]:.4f} -> {ref['losses'][-1]:.4f}, "
-                 f"{c[:, :, 1].sum():,} of {c.sum():,} assignments dropped")
+                 f"{c[:, :, 1].sum():,} of {c.sum():,} assignments dropped ({where})")
 
 
 def describe(model, rank: int, world: int, ui) -> None:
@@ -109,19 +114,32 @@ def show_bytes(measured: dict, formula: list[int], log, ui) -> None:
              [[s, f"{b:,}", f"{formula[s - 1]:,}", b == formula[s - 1]] for s, b in measured.items()])
 
 
-def compare_capacities(refs: dict, setup: Setup, ui) -> dict:
-    """{factor: drops and losses} of the one-process runs `refs` ({Setup: train_single's answer})."""
+def compare_capacities(refs: dict, setup: Setup, world: int, ui) -> dict:
+    """{factor: drops and losses} of the one-process runs `refs` ({Setup: train_single's answer}),
+    each beside what a perfectly uniform router would drop (Setup.uniform_drop)."""
     out = {}
     for s, ref in refs.items():
         c = ref["counts"]
         out[str(s.factor)] = {"capacity": s.capacity, "dropped": int(c[:, :, 1].sum()),
-                                  "assignments": int(c.sum()), "dropped_last_step": int(c[-1, :, 1].sum()),
-                                  "last_loss": ref["losses"][-1].item(), "held_out_loss": ref["held_out"][0].item()}
+                              "assignments": int(c.sum()), "dropped_last_step": int(c[-1, :, 1].sum()),
+                              "uniform_router_drop_fraction": s.uniform_drop(),
+                              "last_loss": ref["losses"][-1].item(), "held_out_loss": ref["held_out"][0].item()}
     total = next(iter(out.values()))["assignments"]
     ui.table(f"Drops (of {total:,} assignments) and loss, one process each; this run's factor: {setup.factor}",
-             ["factor", "slots", "dropped", "dropped, last step", "last loss", "held-out loss"],
+             ["factor", "slots", "dropped", "uniform router", "dropped, last step", "last loss", "held-out loss"],
              [[f, d["capacity"], f"{d['dropped']:,} ({d['dropped'] / d['assignments']:.1%})",
-               f"{d['dropped_last_step']:,}", f"{d['last_loss']:.4f}", f"{d['held_out_loss']:.4f}"] for f, d in out.items()])
+               f"{d['uniform_router_drop_fraction']:.1%}", f"{d['dropped_last_step']:,}",
+               f"{d['last_loss']:.4f}", f"{d['held_out_loss']:.4f}"] for f, d in out.items()])
+    rank_tokens = T.GLOBAL_BATCH // world * T.SEQ
+    rank_capacity = setup.capacity_of(rank_tokens)
+    # markup=False: the formula's brackets are text, not rich's markup
+    ui.print(f"a uniform router (each token's k experts drawn at random) drops {setup.uniform_drop():.1%} at "
+             f"factor {setup.factor} by chance alone: an expert's assignments in a row are X ~ Binomial("
+             f"{T.SEQ}, k/E = {setup.top_k}/{setup.experts}), past its C = {setup.capacity} slots it drops "
+             f"max(0, X - C), so E x E[max(0, X - C)] / (k x {T.SEQ}) of the assignments", markup=False)
+    ui.print(f"the drops measured above that are the router's imbalance; counted over a rank's {rank_tokens} "
+             f"tokens (C = {rank_capacity}) instead of a row's {T.SEQ}, the same uniform router would drop "
+             f"{setup.uniform_drop(rank_tokens):.1%}: small groups drop by chance", markup=False)
     return out
 
 
@@ -132,6 +150,8 @@ def metrics(setup: Setup, seen: torch.Tensor, ref: dict, measured: dict, formula
             "capacity": setup.capacity, "dtype": setup.dtype,
             "tokens_per_expert": seen[:, :, 0].tolist(),  # (steps, blocks, E): tokens kept, all ranks
             "dropped_tokens": seen[:, :, 1].sum(-1).tolist(),  # (steps, blocks)
+            "dropped_fraction": (seen[:, :, 1].sum() / seen.sum()).item(),  # of every assignment, all steps
+            "uniform_router_drop_fraction": setup.uniform_drop(),  # what chance alone drops, per row
             "tokens_per_expert_single_device": ref["counts"][:, :, 0].tolist(),
             "dropped_tokens_single_device": ref["counts"][:, :, 1].sum(-1).tolist(),
             "all_to_all_bytes_per_step": measured, "all_to_all_bytes_formula": formula,
