@@ -16,6 +16,7 @@ with timeouts, no test zygote: the commands here are Slurm's, and the Pythons ar
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -110,13 +111,6 @@ class Cluster:
         return info
 
 
-def seconds(runtime: str) -> int:
-    """Slurm's RunTime, [D-]HH:MM:SS, in seconds."""
-    days, _, clock = runtime.rpartition("-")
-    h, m, s = map(int, clock.split(":"))
-    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     why = missing()
@@ -182,6 +176,7 @@ def test_the_cluster_comes_up_quickly_with_two_idle_nodes(cluster):
     assert "198.51.100." not in machine_state()["ip"]
 
 
+@pytest.mark.timeout(600)  # two runs of lesson 07, and lesson 06's c10d job between them
 def test_lesson_07_is_requeued_by_its_signal_and_resumes_from_its_snapshot(cluster, jobs, reference_3_epochs):
     job = jobs["requeue"]
     snapshot = job["out"] / "snapshot.pt"
@@ -249,14 +244,21 @@ def test_a_crashing_worker_ends_the_job_failed_and_is_named(cluster, jobs):
     job = jobs["crash"]
     info = cluster.wait(job["id"], job["output"])
     text = job["output"].read_text()
-    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", (info, text[-3000:])
-    assert seconds(info["RunTime"]) < 90, info["RunTime"]  # 17 s here: srun --kill-on-bad-exit=1
-    # rank 3 (n2) raised; torchrun's summary on n2 names it, with the traceback @record wrote
-    assert "RuntimeError: deliberate crash of rank 3 at step 5 (--crash-rank)" in text
-    assert re.search(r"host\s*: n2\n\s*rank\s*: 3 \(local_rank: 1\)", text), text[-3000:]
-    assert "srun: error: n2: task 1: Exited with exit code 1" in text
-    assert f"runs/slurm/tmp-{job['id']}." in text  # the agents' error files were in the job's TMPDIR ...
-    assert_left_no_tmpdir(job["id"])  # ... which is gone
+    assert info["JobState"] == "FAILED" and not info["ExitCode"].startswith("0:"), (info, text[-3000:])
+    # rank 3 (on n2) raised at step 5; its own traceback names it (torch prefixes [rank3]:)
+    assert "[rank3]: RuntimeError: deliberate crash of rank 3 at step 5 (--crash-rank)" in text
+    # the agent that saw a failure first printed torchrun's summary, with the error files that
+    # @record wrote in the job's TMPDIR; srun --kill-on-bad-exit=1 then stopped the other node
+    assert "lessons/06_torchrun_multinode.py FAILED" in text and "Root Cause (first observed failure)" in text
+    assert f"error_file: {ROOT}/runs/slurm/tmp-{job['id']}." in text
+    assert re.search(r"^srun: error: n[12]: task [01]: Exited with exit code 1$", text, re.M), text[-3000:]
+    # within a bound: the job ends seconds after the first failure (2 s on an idle machine),
+    # long before the lesson's process-group timeout (60 s) could have ended a hung rank
+    first = min(datetime.datetime.strptime(t, "%Y-%m-%d_%H:%M:%S")
+                for t in re.findall(r"^\s*time\s*: (\S+)$", text, re.M))
+    ended = datetime.datetime.strptime(info["EndTime"], "%Y-%m-%dT%H:%M:%S")
+    assert (ended - first).total_seconds() < 45, (first, ended)
+    assert_left_no_tmpdir(job["id"])  # ... and that folder is gone
     assert not (job["out"] / "final.pt").exists()
 
 
@@ -280,6 +282,28 @@ def test_the_scripts_output_file_is_ignored_by_git():
         assert ignored.returncode == 0, f"slurm-{name}-1234.out is not ignored by git"
     assert "#SBATCH --requeue" in (ROOT / LESSON07).read_text()
     assert "#SBATCH --signal=B:USR1@" in (ROOT / LESSON07).read_text()
+
+
+def test_without_root_or_the_packages_it_says_so_in_one_line(monkeypatch, capsys, tmp_path):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("slurm_cluster", ROOT / "tools" / "slurm_cluster.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # what a learner's own account sees
+    with pytest.raises(SystemExit) as exited:  # (status: harmless, should the check ever go)
+        tool.main(["--state", str(tmp_path / "none"), "status"])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: tools/slurm_cluster.py must run as root") and err.count("\n") == 1, err
+    monkeypatch.undo()
+    if os.geteuid() != 0:
+        pytest.skip("not root: the packages are checked after root")
+    # sbatch (slurm-client) lives in /usr/bin: with no PATH it is "missing", as without the package
+    missing = subprocess.run([*TOOL, "--state", str(tmp_path / "none"), "status"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env={"PATH": "/nonexistent"}, stdin=subprocess.DEVNULL)
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr == ("error: Slurm's Debian packages are missing (sbatch not found): "
+                              "apt-get install -y slurmctld slurmd slurm-client munge\n")
 
 
 def test_down_stops_everything_and_changes_nothing(cluster, jobs):

@@ -37,7 +37,8 @@ from pathlib import Path
 DEFAULT_HOME = Path("/tmp/slurm-lessons")
 NODES = {"n1": "198.51.100.1", "n2": "198.51.100.2"}  # RFC 5737 TEST-NET-2: documentation only
 CONTROLLER = "n1"  # runs slurmctld, and is where `exec` runs commands (the login node)
-PROGRAMS = ["slurmctld", "slurmd", "sbatch", "munged", "unshare", "nsenter", "ip"]
+SLURM = ["slurmctld", "slurmd", "sbatch", "munged"]  # Debian: slurmctld slurmd slurm-client munge
+SYSTEM = ["unshare", "nsenter", "ip"]  # util-linux and iproute2, on every Debian
 PACKAGES = "apt-get install -y slurmctld slurmd slurm-client munge"
 
 # One slurm.conf for both nodes (Slurm wants them identical). Its paths are under /run,
@@ -99,9 +100,12 @@ def check_can_run(home: Path) -> None:
         fail(f"tools/slurm_cluster.py must run as root (it makes network namespaces and starts "
              f"Slurm's daemons): {command(home)} ...")
     path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
-    missing = [p for p in PROGRAMS if not shutil.which(p, path=path)]
+    missing = [p for p in SLURM if not shutil.which(p, path=path)]
     if missing:
         fail(f"Slurm's Debian packages are missing ({', '.join(missing)} not found): {PACKAGES}")
+    missing = [p for p in SYSTEM if not shutil.which(p, path=path)]
+    if missing:
+        fail(f"{', '.join(missing)} not found: apt-get install -y util-linux iproute2")
 
 
 # ----------------------------------------------------------------------- processes by PID
