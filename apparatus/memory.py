@@ -131,6 +131,13 @@ class StepPeak:
         """Stop following (after the loop: the followed step is usually the last)."""
         self.stack.close()
 
+    def another_forward(self) -> None:
+        """Before each forward after the first in the followed step (micro-batches): MemTracker
+        refuses a second forward of the root in one session unless its per-module stats are
+        reset (torch 2.14.1, mem_tracker.py: reset_mod_stats). The peak so far stays."""
+        if self.tracker is not None:
+            self.tracker.reset_mod_stats()
+
     def __enter__(self) -> "StepPeak":
         return self
 
@@ -139,9 +146,19 @@ class StepPeak:
 
     @property
     def breakdown(self) -> dict[str, int]:
-        """Bytes by kind at the peak ("PARAM", "GRAD", "OPT", "ACT", "TEMP", ..., "Total")."""
-        return {str(kind).split(".")[-1]: n for snap in self.tracker.get_tracker_snapshot("peak").values()
-                for kind, n in snap.items()}
+        """Bytes by kind at the peak ("PARAM", "GRAD", "OPT", "ACT", "TEMP", ..., "Total"), each
+        device's peak added up (CPU and GPU: a CPU-offloaded model)."""
+        out: dict[str, int] = {}
+        for snap in self.tracker.get_tracker_snapshot("peak").values():
+            for kind, n in snap.items():
+                name = str(kind).split(".")[-1]
+                out[name] = out.get(name, 0) + n
+        return out
+
+    @property
+    def per_device(self) -> dict[str, int]:
+        """{device: bytes at its peak in the followed step}."""
+        return {str(device): snap["Total"] for device, snap in self.tracker.get_tracker_snapshot("peak").items()}
 
     @property
     def bytes(self) -> int:

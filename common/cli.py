@@ -63,12 +63,13 @@ def port_number(text: str) -> int:
 
 
 def lesson_parser(doc: str | None, *, recipe: bool = True, distributed: bool = False,
-                  world_size: int | None = None) -> LessonParser:
+                  world_size: int | None = None, out: str = "runs/lesson-NN") -> LessonParser:
     """The flags every lesson shares, with the same names everywhere.
 
     recipe:      --epochs/--seed/--dataset flags of the shared training recipe
     distributed: --timeout and --master-port for lessons that start a process group
     world_size:  add --world-size with this default
+    out:         --out's default folder, as --help names it (a companion script's own)
     """
     from common.recipe import EPOCHS, SEED  # late import keeps `--help` fast
 
@@ -78,7 +79,7 @@ def lesson_parser(doc: str | None, *, recipe: bool = True, distributed: bool = F
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to compute: auto picks cuda when available, else cpu")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for final.pt and metrics.json (default: runs/lesson-NN)")
+                        help=f"folder for final.pt and metrics.json (default: {out})")
     parser.add_argument("--step", action="store_true",
                         help="pause after each step until Enter (only when stdin is a terminal)")
     if recipe:

@@ -31,10 +31,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from apparatus.comm import CommLog, route_ddp_through_python
-from apparatus.memory import formula_bytes, report_peak
-from apparatus import sharding
-import sharded
+from apparatus import sharding  # what each rank holds and sends, beside the formulas (15, 16, 19)
+import sharded  # this lesson's own helpers: ZeRO-1's flat rows, FSDP2's story, the step recorder
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, pick_device, plan_device
@@ -130,10 +128,9 @@ def worker(rank: int, world: int, args, kind: str) -> None:
         fully_shard(model, mesh=mesh)  # the root at its default: gathered once, kept for backward
         sharding.show_shards(ui, model)
     train_model = model  # what the batches go through; DDP's gradients live in its buckets
-    if args.strategy in ("ddp", "zero1-torch"):  # (route...: a Python frame per bucket)
+    if args.strategy in ("ddp", "zero1-torch"):
         train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                           gradient_as_bucket_view=True)
-        route_ddp_through_python(train_model)
     optimizer = T.make_optimizer(model)
     if args.strategy.startswith("zero1"):  # ZeRO-1 by hand, or torch's: the same constructor
         zero = ShardedOptimizer if args.strategy == "zero1" else ZeroRedundancyOptimizer
@@ -144,14 +141,14 @@ def worker(rank: int, world: int, args, kind: str) -> None:
 
     # Step 4: Train, recording the collectives and the peak memory
     # The same loop as lesson 01, with a new batch every step instead of epochs.
-    # On this rank's rows; CommLog and FSDPStory record the collectives the strategy makes.
+    # On this rank's rows; the recorder notes the collectives the strategy makes, FSDP2's
+    # hooks, and the peak memory of one step.
     ui.step(4, "Train, recording the collectives and the peak memory")
     losses: list[float] = []
     timer = Timer()
-    log, story = CommLog(), sharded.FSDPStory()  # every collective, and FSDP2's hooks
     log_every = max(1, args.steps // 5)
-    record = sharded.StepRecorder(log, model, optimizer, args.steps, log_every)  # the printed steps
-    with ui.progress(args.steps, "training") as bar, record, story:
+    record = sharded.StepRecorder(model, optimizer, args.steps, log_every)  # the printed steps
+    with ui.progress(args.steps, "training") as bar, record:
         for step in range(args.steps):
             record.at(step)  # CommLog on the printed steps, MemTracker on the last (slower ops)
             x, y = T.batch(step, args.seed)
@@ -182,11 +179,11 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     # From each rank's own tensors (local shards, padding included), beside the ZeRO formulas.
     ui.step(6, "Count the bytes each rank holds and sends")
     per_rank = sharding.report_bytes(ui, model, optimizer, args.strategy)  # every rank's table
-    held, one_device = sum(per_rank["per_rank_bytes"].values()), sum(formula_bytes(n_params).values())
+    held, one_device = sum(per_rank["per_rank_bytes"].values()), 16 * n_params  # lesson 13: 4 + 4 + 8
     ui.print(f"rank 0 holds {held:,} bytes, {held / n_params:.1f} per parameter: "
              f"{held / one_device:.0%} of the {one_device:,} one device holds (lesson 13)")
-    peaks = report_peak(ui, record.peak, held)  # every rank's peak, beside what it holds
-    comm = sharded.report_comm(ui, log, story, args, optimizer, record.logged)
+    peaks = record.report_peak(ui, held)  # every rank's peak, beside what it holds
+    comm = sharded.report_comm(ui, record, args, optimizer)
 
     # Step 7: Compare with lesson 13, save the results
     # final_state is the full state dict gathered to rank 0's CPU: a plain model loads it.

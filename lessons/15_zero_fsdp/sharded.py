@@ -8,10 +8,12 @@ sent per step, and the peak of one step.
   usable where a torch optimizer is: an LR scheduler's lr reaches the inner optimizer,
   state_dict()/load_state_dict() hold every rank's state, step(closure) runs the closure.
 * FSDPStory: records FSDP2's own debug markers (pre_forward, pre_backward, post_backward,
-  per module) and its backward prefetches, so that each collective CommLog saw can be shown
-  under the group it served.
-* StepRecorder: CommLog on the printed steps only, apparatus/memory.py's StepPeak (torch's
-  MemTracker, FSDPMemTracker under FSDP2) on the last of them.
+  per module) and its prefetches, so that each collective CommLog saw can be shown under
+  the group it served.
+* StepRecorder: the lesson's one recorder (in_practice.py's too): apparatus/comm.py's CommLog
+  on the printed steps only, FSDPStory on every step, apparatus/memory.py's StepPeak (torch's
+  MemTracker, FSDPMemTracker under FSDP2) on the last printed one, and that step's peak
+  reported.
 * report_comm: the bytes this rank sent per step (CommLog) beside the ring formula
   (apparatus/sharding.py's comm_formula) and beside DDP's, and for fsdp the story table.
 
@@ -28,7 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from apparatus.memory import StepPeak
+from apparatus.comm import CommLog
+from apparatus.memory import StepPeak, report_peak
 from apparatus.sharding import comm_formula, recipe_shapes
 
 
@@ -110,7 +113,7 @@ class FSDPStory:
             until = marks[i + 1][0] if i + 1 < len(marks) else stop
             issued = [c for c in calls if t <= c.start < until]
             hook, _, module = text.removeprefix("FSDP::").partition(" ")
-            if hook == "backward_prefetch":  # issued inside the previous line's pre_backward
+            if hook.endswith("_prefetch"):  # issued inside the previous line's pre_ hook
                 hook = f"  prefetch in {out[-1][1]}'s" if out else "prefetch"
             if not issued and hook not in ("pre_forward", "pre_backward", "post_backward"):
                 continue
@@ -206,11 +209,13 @@ def fsdp_comm_formula(shapes: dict, world: int, reshard: bool) -> float:
     return comm_formula("fsdp", blocks, world, 0, reshard) + comm_formula("fsdp", root, world, 0, False)
 
 
-def report_comm(ui, log, story, args, optimizer, recorded: list[int]) -> dict:
-    """Bytes this rank sent per step (CommLog, over the `recorded` steps) beside the formula
-    and DDP's; for fsdp, what FSDP2 did around each module in the second recorded step."""
+def report_comm(ui, record, args, optimizer) -> dict:
+    """Bytes this rank sent per step (the recorder's CommLog, over the steps it recorded)
+    beside the formula and DDP's; for fsdp, what FSDP2 did around each module in the second
+    recorded step."""
     world, strategy = dist.get_world_size(), args.strategy
     reshard, shapes = args.reshard_after_forward, recipe_shapes()
+    log, recorded, story = record.log, record.logged, record.story
     comm = log.summary(len(recorded))
     sent = comm["sent_bytes_per_step"]
     expected = (fsdp_comm_formula(shapes, world, reshard) if strategy == "fsdp" else
@@ -231,7 +236,9 @@ def report_comm(ui, log, story, args, optimizer, recorded: list[int]) -> dict:
 
 
 class StepRecorder:
-    """with StepRecorder(log, model, optimizer, steps, every) as record: ... record.at(step) ...
+    """with StepRecorder(model, optimizer, steps, every) as record: ... record.at(step) ...
+    ->  record.log (CommLog), record.logged (the steps it recorded), record.story (FSDPStory),
+        record.peak (StepPeak)
 
     A TorchDispatchMode sees every op, so it slows every step it watches: CommLog records
     the printed steps only, every `every`-th (each step of a strategy sends the same, but for
@@ -239,11 +246,14 @@ class StepRecorder:
     StepPeak (torch's MemTracker; FSDPMemTracker for FSDP2, which also sees its all-gather and
     reduce-scatter buffers) follows the last of them, from its forward to the end of its
     optimizer step: `record.peak`, the peak of one training step, activations included, on top
-    of what the rank holds at rest (the model, its gradients, the optimizer state)."""
+    of what the rank holds at rest (the model, its gradients, the optimizer state). FSDPStory
+    notes FSDP2's hooks in every step (a log line each: cheap), to place each collective
+    under the group it served. every=steps: the last step only (in_practice.py)."""
 
-    def __init__(self, log, model, optimizer, steps: int, every: int):
-        self.log, self.logged = log, [s for s in range(steps) if (s + 1) % every == 0]
+    def __init__(self, model, optimizer, steps: int, every: int):
+        self.log, self.logged = CommLog(), [s for s in range(steps) if (s + 1) % every == 0]
         self.stack, self.peak = contextlib.ExitStack(), StepPeak(model, optimizer, self.logged[-1])
+        self.story = FSDPStory()
 
     def at(self, step: int) -> None:
         """Stop recording the previous step; record this one if it is logged (the tracker
@@ -255,8 +265,15 @@ class StepRecorder:
         self.peak.at(step)
 
     def __enter__(self) -> "StepRecorder":
+        self.story.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self.peak.stop()
         self.stack.close()
+        self.story.__exit__(*exc)
+
+    def report_peak(self, ui, at_rest: int) -> dict:
+        """The peak of the followed step beside `at_rest`, every rank's (apparatus/memory.py's
+        report_peak, as lessons 13, 14 and 16 print it): its metrics.json keys."""
+        return report_peak(ui, self.peak, at_rest)
