@@ -8,7 +8,7 @@ dp; the batch is split across dp only. Measured on every rank: who talks to whom
 it holds, and the bytes each mesh dimension sends per step, beside the planner's formulas
 (lessons/19_two_d_mesh/planner.py), and lesson 13's weights within 1e-3. --plan runs the same
 formulas for a real job (a 7B model on 8 or 64 GPUs): memory, bytes, FLOPs, step time and
-MFU, written to --out's plan.json; it starts no process.
+MFU, written to --out's plan.json; it starts no process (planner.py runs them by itself too).
 
 Run:
     make lesson-19
@@ -16,9 +16,11 @@ Run:
     .venv/bin/python lessons/19_two_d_mesh.py --dp 1 --tp 4
     .venv/bin/python lessons/19_two_d_mesh.py --plan 7e9 --gpus 64 --gpu-gb 80
     .venv/bin/python lessons/19_two_d_mesh.py --plan 7e9 --gpus 64 --sequence-parallel --out runs/plan
+    .venv/bin/python lessons/19_two_d_mesh/planner.py 7e9 --gpus 8
 
 Doc: docs/19_two_d_mesh.md
 """
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -35,7 +37,7 @@ from torch.distributed.tensor import Replicate, parallel as tp
 from apparatus.comm import CommLog
 from apparatus import sharding
 import mesh_checks
-import plan_cli  # lessons/19_two_d_mesh/: --plan's flags and tables (the formulas: planner.py)
+import planner  # lessons/19_two_d_mesh/planner.py: the formulas, and --plan's flags and tables
 from common import transformer as T
 from common.cli import lesson_parser, positive_int, run, seed_number
 from common.device import backend_for, pick_device, plan_device
@@ -52,9 +54,15 @@ def parse_args():
                         help="seed for the initial weights and the batches")
     parser.add_argument("--dp", type=positive_int, default=2, help="ranks across the data (FSDP2)")
     parser.add_argument("--tp", type=positive_int, default=2, help="ranks across each block (tensor parallel)")
-    plan_cli.add_plan_flags(parser)  # --plan 7e9 --gpus 8 --gpu-gb 80 ...
+    plan_flags = parser.add_argument_group("the planner (lessons/19_two_d_mesh/planner.py): formulas, no processes")
+    plan_flags.add_argument("--plan", type=float, default=None, metavar="PARAMS",
+                            help="print the planner's tables for a model of PARAMS parameters (e.g. 7e9), "
+                                 "write them to --out's plan.json, and exit")
+    planner.add_flags(plan_flags)  # --gpus 8 --gpu-gb 80 ...: planner.py's own flags
     args = parser.parse_args()
-    if args.plan is None:  # before any rank starts: Part 2's one rule, for each dimension
+    if args.plan is not None:
+        planner.check_flags(args, "--plan")
+    else:  # before any rank starts: Part 2's one rule, for each dimension
         T.check_world_size(args.dp, "--dp")  # dp splits the batch's rows
         T.check_world_size(args.tp, f"--tp (with --dp {args.dp})", most=8 // args.dp,  # dp x tp ranks
                            divides={f"{T.N_HEADS} attention heads": T.N_HEADS}, splits_batch=False)
@@ -66,7 +74,7 @@ def main() -> None:
     claim_out(out_dir("19", args.out))  # checked now, not after training; ours alone
     ui = UI(step_mode=args.step)
     if args.plan is not None:  # the planner alone: formulas, no processes (lessons/19_two_d_mesh/planner.py)
-        return plan_cli.show_plan(ui, args, out_dir("19", args.out))  # and --out's plan.json
+        return planner.show_plan(ui, args, out_dir("19", args.out))  # and --out's plan.json
     ui.title(f"Lesson 19: a {args.dp} x {args.tp} mesh (dp x tp) on {args.world_size} ranks")
 
     # Step 1: Start dp x tp ranks, one device each
@@ -88,18 +96,13 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     ui.print(f"device: [bold]{device}[/bold] (CUDA available: {torch.cuda.is_available()})")
 
     # Step 2: Make the data
-    # Sequences from an order-2 Markov chain: the next token depends on the previous two,
-    # so the model must use attention to see them. We know the chain's transition table,
-    # so we can compute the best loss any model could reach: the floor.
+    # Lesson 13's batches (its Step 2 shows them and their floor), split as lesson 15 splits
+    # them, but by the dp coordinate: the tp ranks of one row of the mesh read the same rows.
     ui.step(2, "Make the data")
-    x, y = T.batch(0, args.seed)
-    ui.print(f"{T.VOCAB} tokens; one global batch = {tuple(x.shape)} inputs and "
-             f"{tuple(y.shape)} targets (the inputs shifted by one)")
-    for row in (0, 1):  # some pairs of tokens are almost always followed by the same token
-        ui.print(f"row {row}: {x[row, :12].tolist()} ... -> targets {y[row, :12].tolist()} ...")
     floor = T.loss_floor()
-    ui.print(f"loss of uniform guessing: ln {T.VOCAB} = {torch.tensor(T.VOCAB).log():.4f}; "
-             f"the floor (best possible): {floor:.4f} nats/token")
+    ui.print(f"lesson 13's batches: {T.GLOBAL_BATCH} sequences of {T.SEQ} tokens per step, "
+             f"{T.GLOBAL_BATCH // args.dp} on each of the {args.dp} dp groups (all of them on each "
+             f"of a group's {args.tp} tp ranks); the floor {floor:.4f} nats/token")
 
     # Step 3: Build the mesh, split each block across tp, shard across dp
     # Rows of the mesh are tp groups, columns dp groups. First tensor parallel on mesh["tp"]
@@ -116,7 +119,11 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     for module in (*model.blocks, model):
         fully_shard(module, mesh=mesh["dp"])  # ZeRO-3 across dp: each block, then the root
     sharding.show_shards(ui, model)
-    optimizer = T.make_optimizer(model)
+    # Lesson 13's AdamW (T.make_optimizer) with foreach=True: one op of each kind for all the
+    # parameters, as torch already does on a GPU. On a CPU torch's default steps each parameter
+    # alone, and each of those ops on a DTensor goes through DTensor's Python dispatch: about a
+    # quarter of every step's CPU time here. The same arithmetic: the same weights, bit for bit.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=T.LR, eps=T.EPS, foreach=True)
     n_params = sum(p.numel() for p in model.parameters())
     ui.print(f"Transformer: {T.N_BLOCKS} blocks, width {T.DIM}, {T.N_HEADS} heads, "
              f"{n_params:,} parameters; AdamW lr={T.LR} eps={T.EPS}")
@@ -125,20 +132,24 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     # The same loop as lesson 01, with a new batch every step instead of epochs.
     # A tp group's ranks hold parts of the same layers: they read the same rows, picked by the
     # dp coordinate. CommLog records each collective with its process group: its dimension.
+    # As in lesson 15, on the printed steps only (every step sends the same): recording
+    # slows every op it sees.
     ui.step(4, "Train on this dp group's rows, recording every collective")
     losses: list[float] = []
     timer = Timer()
     log = CommLog()  # every collective, DTensor's own included (apparatus/comm.py)
     dp_rank = mesh.get_local_rank("dp")
     log_every = max(1, args.steps // 5)
-    with ui.progress(args.steps, "training") as bar, log.recording():
+    recorded = [s for s in range(args.steps) if (s + 1) % log_every == 0]  # the printed steps
+    with ui.progress(args.steps, "training") as bar:
         for step in range(args.steps):
-            x, y = T.batch(step, args.seed)
-            x, y = T.shard(x, dp_rank, args.dp).to(device), T.shard(y, dp_rank, args.dp).to(device)
-            loss = T.loss_fn(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            with log.recording() if step in recorded else contextlib.nullcontext():
+                x, y = T.batch(step, args.seed)
+                x, y = T.shard(x, dp_rank, args.dp).to(device), T.shard(y, dp_rank, args.dp).to(device)
+                loss = T.loss_fn(model(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
             losses.append(loss.item())
             bar.advance()
             if (step + 1) % log_every == 0:
@@ -163,7 +174,7 @@ def worker(rank: int, world: int, args, kind: str) -> None:
     ui.step(6, "Count the bytes each rank holds and each dimension sends")
     held = sharding.held_bytes(model, optimizer)  # mine, from my local shards, padding included
     per_rank = mesh_checks.check_memory(ui, held, args.dp, args.tp)  # every rank's, beside the formula
-    comm = mesh_checks.report_dims(ui, log, mesh, args.steps)  # tp: activations, dp: weights
+    comm = mesh_checks.report_dims(ui, log, mesh, len(recorded))  # tp: activations, dp: weights
 
     # Step 7: Compare with lesson 13, save the results
     # final_state is the full state dict gathered to rank 0's CPU: a plain model loads it.

@@ -20,7 +20,7 @@ from apparatus import sharding
 import pipeline
 import planner
 from common import transformer as T
-from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson, weights_line
+from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run, run_lesson, weights_line
 
 STEPS = 6
 DP, TP = 2, 2
@@ -182,6 +182,20 @@ def test_plan_json_has_the_interface_keys(monkeypatch, capsys, tmp_path):
         assert row["activation_bytes"] == pytest.approx(planner.activations(model, lay))
         assert row["bytes_sent"] == pytest.approx(planner.comm(model, lay))
         assert set(row["bytes_sent"]) == {"dp", "tp", "pp"} and row["compute_seconds"] > 0
+
+
+def test_the_planner_runs_by_itself_as_lesson_19s_plan(monkeypatch, capsys, tmp_path):
+    """lessons/19_two_d_mesh/planner.py 7e9 --gpus 8, run by a learner in a new Python: the same
+    tables and plan.json as the lesson's --plan; a bad number is one line, exit 2."""
+    import sys
+    script = ROOT / "lessons" / "19_two_d_mesh" / "planner.py"
+    proc = run([sys.executable, str(script), "7e9", "--gpus", "8", "--out", str(tmp_path / "alone")])
+    alone = json.loads((tmp_path / "alone" / "plan.json").read_text())
+    out, plan = _plan(import_lesson("19"), ["7e9", "--gpus", 8], tmp_path / "lesson", monkeypatch, capsys)
+    assert alone == plan and "ASSUMED" in proc.stdout and "Memory per GPU, GB" in proc.stdout
+    bad = run([sys.executable, str(script), "7e9", "--gpus", "12"], check=False)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --gpus 12 is not a whole number of nodes of 8"
+    assert "PARAMS" in run([sys.executable, str(script), "--help"]).stdout
 
 
 def test_a_bad_out_is_refused_before_the_plan(monkeypatch, capsys, tmp_path):

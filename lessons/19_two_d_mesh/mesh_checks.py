@@ -17,8 +17,7 @@ import logging
 
 import torch
 
-from plan_cli import check_plan_flags
-from planner import FP32, INFINIBAND, NVLINK, Layout, Model, activations, comm, memory
+from planner import FP32, INFINIBAND, NVLINK, Layout, Model, comm, memory
 
 
 def groups_of(mesh) -> dict[str, list[int]]:
@@ -121,11 +120,9 @@ def metrics(comm: dict, memory_check: dict) -> dict:
 
 
 def check_flags(args):
-    """Lesson 19's flags beyond --dp and --tp (the lesson checks those by Part 2's rule): the
-    plan's numbers must be sensible, and --device cuda needs a GPU per rank."""
+    """Lesson 19's flags beyond --dp and --tp (the lesson checks those by Part 2's rule, and
+    --plan's numbers by the planner's): --device cuda needs a GPU per rank."""
     from common.cli import fail
-    if args.plan is not None and (problem := check_plan_flags(args)):
-        fail(problem)
     args.world_size = args.dp * args.tp  # what lesson 15's code calls the job's size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.plan is None and args.device == "cuda" and 0 < gpus < args.world_size:

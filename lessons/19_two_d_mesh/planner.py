@@ -1,5 +1,12 @@
-"""Lesson 19's companion: the planner's formulas (mesh_checks.py holds the instruments, plan_cli.py
-the --plan command line: its flags, its three tables and plan.json).
+"""Lesson 19's planner: the bytes, FLOPs and step time of a real job, from formulas alone.
+
+Run it by itself, or through lesson 19's --plan (the same flags, the same tables):
+    .venv/bin/python lessons/19_two_d_mesh/planner.py 7e9 --gpus 8
+    .venv/bin/python lessons/19_two_d_mesh/planner.py 7e9 --gpus 64 --sequence-parallel --out runs/plan
+    make lesson-19 ARGS="--plan 7e9 --gpus 8"
+It prints three tables (memory, bytes sent, seconds per step) and writes them to --out's
+plan.json. Lessons 19 and 23 check its formulas against what their jobs measure
+(lessons/19_two_d_mesh/mesh_checks.py, lessons/23_cluster_on_a_laptop/cluster_report.py).
 
 The planner (no processes, no GPU): for a model (parameters, layers, hidden size, sequence
 length, micro-batch, micro-batches per step), a GPU count and a GPU memory size, the bytes
@@ -72,11 +79,23 @@ of the layers); m: micro-batches per step on each dp rank; a ring sends (D-1)/D 
 The instruments that check these formulas inside lesson 19's job: mesh_checks.py. The runs
 (lessons 19 and 23) are fp32 throughout and do not checkpoint: they pass element=4 and
 Model(checkpoint=False).
+
+Below the formulas, the command line: add_flags (lesson 19 shares them), check_flags, the
+three tables, show_plan (print them, write plan.json) and main.
 """
 from __future__ import annotations
 
+import json
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when a learner runs this file
+
+from apparatus.results import atomic_write, claim_out, out_dir, shown
+from apparatus.ui import UI
+from common.cli import HelpFormatter, LessonParser, fail, run
 
 
 # Assumptions, not measurements: typical published per-GPU figures.
@@ -278,3 +297,103 @@ def plan(model: Model, gpus: int, gpu_gb: float, per_node: int, sp: bool = False
                      "fits": (state + act) / 1e9 <= gpu_gb, "bytes_sent": sent,
                      "off_node": [d for d, c in cross.items() if c], **step_time(model, lay, sent, cross)})
     return rows
+
+
+# --- the command line: planner.py 7e9 --gpus 8, or lesson 19's --plan 7e9 --gpus 8 -----------
+
+def add_flags(parser) -> None:
+    """The job's flags beyond the parameter count (a parser, or lesson 19's argument group)."""
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs in the job")
+    parser.add_argument("--gpu-gb", type=float, default=80, help="memory of one GPU in GB")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
+    parser.add_argument("--layers", type=int, default=32, help="transformer blocks")
+    parser.add_argument("--hidden", type=int, default=4096, help="model width")
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--microbatches", type=int, default=8,
+                        help="micro-batches per step on each data-parallel rank")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="tensor parallel layouts also split the sequence (lesson 17): "
+                             "activations / T; without it every tp rank holds whole activations")
+
+
+def check_flags(args, named: str = "PARAMS") -> None:
+    """One line and exit 2 if a number makes no job. args.plan: the parameter count, the flag
+    `named` (lesson 19's --plan)."""
+    for flag in ("gpus", "gpus_per_node", "layers", "hidden", "seq_len", "micro_batch", "microbatches"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} must be at least 1")
+    if not (0 < args.plan < 1e15 and 0 < args.gpu_gb < 1e6):  # nan and inf fail here too
+        fail(f"{named} and --gpu-gb must be positive finite numbers (at most 1e15 parameters and "
+             f"1e6 GB; e.g. 7e9 parameters on GPUs of 80 GB)")
+    if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
+        fail(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}")
+
+
+def tables(rows: list[dict]) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """Three narrow tables (each fits 80 columns): memory, bytes sent, time."""
+    def gb(n: float) -> str:
+        return f"{n / 1e9:,.1f}" if n else "-"
+
+    memory_rows = [[r["layout"], gb(r["state_bytes"]), gb(r["activation_bytes"]),
+                    gb(r["state_bytes"] + r["activation_bytes"]), "yes" if r["fits"] else "NO"] for r in rows]
+    sent_rows = [[r["layout"], *(gb(r["bytes_sent"][d]) for d in ("dp", "tp", "pp")),
+                  " ".join(r["off_node"]) or "none", f"{r['comm_seconds']:,.2f}"] for r in rows]
+    time_rows = [[r["layout"], f"{r['compute_seconds']:,.2f}", f"{r['bubble']:.0%}" if r["pp"] > 1 else "-",
+                  f"{r['step_seconds']:,.2f}", f"{r['mfu']:.0%}", f"{r['step_seconds_overlap']:,.2f}",
+                  f"{r['mfu_overlap']:.0%}"] for r in rows]
+    return {"Memory per GPU, GB": (["layout", "state", "act.", "total", "fits"], memory_rows),
+            "GB each GPU sends per step, by dimension": (["layout", "dp", "tp", "pp", "off-node", "comm s"], sent_rows),
+            "Seconds per step": (["layout", "compute", "bubble", "serial", "MFU", "overlap", "MFU"], time_rows)}
+
+
+def show_plan(ui, args, folder: Path) -> list[dict]:
+    """Print the three tables for args' job and write them to folder/plan.json (already claimed)."""
+    model = Model(args.plan, args.layers, args.hidden, args.seq_len, args.micro_batch, args.microbatches)
+    ui.print(f"A model of {args.plan / 1e9:g}B parameters ({args.layers} blocks, width {args.hidden}, "
+             f"{args.seq_len} tokens, micro-batch {args.micro_batch} x {args.microbatches} per step) on "
+             f"{args.gpus} GPUs of {args.gpu_gb:g} GB, {args.gpus_per_node} per node. Mixed precision as "
+             f"Megatron-LM: 2 + 4 + 12 bytes per parameter (bf16 weights, fp32 gradients, fp32 AdamW); "
+             f"gradients sent in fp32, weights and activations in bf16; every block checkpointed; "
+             f"sequence parallel {'on (SP)' if args.sequence_parallel else 'off (--sequence-parallel turns it on)'}.")
+    rows = plan(model, args.gpus, args.gpu_gb, args.gpus_per_node, args.sequence_parallel)
+    for title, (columns, cells) in tables(rows).items():
+        ui.table(title, columns, cells)
+    odd = sorted({row["tp"] for row in rows if args.hidden % row["tp"]})
+    if odd:  # e.g. 3 GPUs: TP 3 of a width of 4,096
+        ui.print(f"note: tensor parallel of {', '.join(map(str, odd))} does not divide the width "
+                 f"{args.hidden}, so no real job splits these layers that way; those rows only show the formulas")
+    ui.print("state: weights + gradients + AdamW; act.: checkpointed block inputs (an estimate); "
+             "off-node: dimensions whose groups span nodes (ranks numbered tp fastest, then dp, then pp); "
+             "compute: 8 x parameters x tokens / GPUs at the peak (6 + 2 recomputed), stretched by the "
+             "bubble, PP's idle share (p-1)/(m+p-1); serial: compute + comm; overlap: the larger of the "
+             "two (perfect overlap); MFU: 6 x parameters x tokens / (step s x GPUs x peak). A step is "
+             "dp x micro-batch x micro-batches sequences: a layout with less dp takes smaller, shorter "
+             "steps, so compare MFU, not seconds.")
+    ui.print(f"ASSUMED (typical published figures, not measured): {NVLINK / 1e9:.0f} GB/s per GPU inside "
+             f"a node (NVLink), {INFINIBAND / 1e9:.0f} GB/s per GPU between nodes (InfiniBand), "
+             f"{PEAK / 1e12:.0f} TFLOP/s per GPU (H100 SXM dense bf16), and kernels that reach that peak.")
+    text = json.dumps({"model": {k: v for k, v in vars(model).items() if k != "shapes"}, "gpus": args.gpus,
+                       "gpu_gb": args.gpu_gb, "gpus_per_node": args.gpus_per_node,
+                       "sequence_parallel": args.sequence_parallel,
+                       "assumed": {"nvlink_bytes_per_s": NVLINK, "infiniband_bytes_per_s": INFINIBAND,
+                                   "peak_flops_per_s": PEAK, "kernels_reach_peak": True},
+                       "rows": rows}, indent=2) + "\n"
+    atomic_write(folder / "plan.json", lambda f: f.write(text.encode()))
+    ui.print(f"wrote {shown(folder / 'plan.json')}")
+    return rows
+
+
+def main() -> None:
+    parser = LessonParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser.add_argument("plan", type=float, metavar="PARAMS", help="the model's parameters, e.g. 7e9")
+    add_flags(parser)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for plan.json (default: runs/lesson-19, as lesson 19's --plan)")
+    args = parser.parse_args()
+    check_flags(args)
+    show_plan(UI(), args, claim_out(out_dir("19", args.out)))
+
+
+if __name__ == "__main__":
+    run(main)
