@@ -313,7 +313,7 @@ def down(home: Path, quiet: bool = False) -> None:
     #    the jobs' slurmstepd, torchrun and workers, which our slurmd started
     daemons = {pid for pid, t in state["daemons"] if alive([pid, t])}
     jobs = {pid for ns in namespaces for pid in in_namespace(ns)}
-    stopped = stop(sorted((daemons | jobs) - {pid for pid, _ in holders}), grace=5)
+    stopped = stop(sorted((daemons | jobs) - {pid for pid, _ in holders}), grace=2)
     # 2. the holders: when the last process in them is gone, the namespaces end, and with
     #    them the veth pair, its addresses and the bind mounts
     stop([pid for pid, _ in holders], grace=0)
