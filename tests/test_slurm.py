@@ -37,7 +37,7 @@ LESSON06 = "docs/examples/lesson06.sbatch"
 LESSON07 = "docs/examples/lesson07_requeue.sbatch"
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "PREEMPTED"}
-JOB_TIMEOUT = 240  # seconds a test waits for its job; each took 17-45 s on 2 busy cores
+JOB_TIMEOUT = 240  # seconds a test waits for its job: each took 17-35 s on 2 cores, 60-85 s at load 20+
 
 
 def missing() -> str | None:
@@ -131,8 +131,8 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def jobs(cluster, tmp_path_factory):
-    """Every job, submitted at once: Slurm runs them in turn, on both nodes (each asks for all
-    their CPUs). First, what happens to doc 06's script unchanged on this CPU-only cluster."""
+    """Every job, submitted at once: Slurm runs them on both nodes, in turn where each takes all
+    their CPUs (2-core machines). First, doc 06's script unchanged on this CPU-only cluster."""
     folder = tmp_path_factory.mktemp("jobs")
     found = {}
     # unchanged: no GPUs here at all, so Slurm refuses the GPU request at once
