@@ -147,6 +147,8 @@ def test_every_injected_bug_is_named_at_its_first_module(oracle, case):
     assert first["ratio"] > 1e3, first  # not a near miss: far above rounding
     if case[1] == "grad-sum":
         assert first["norm_ratio"] == pytest.approx(2.0, abs=1e-3)
+    if case[1] in ("tp-bias", "sp-norm"):  # what doc 26 says |B| / |A| tells: a bias twice, a share of a sum
+        assert (first["norm_ratio"] > 1.05) == (case[1] == "tp-bias") and (first["norm_ratio"] < 0.95) == (case[1] == "sp-norm")
 
 
 @pytest.mark.parametrize("case", ON_FOUR, ids=lambda c: "-".join(x for x in c if x))
@@ -310,3 +312,29 @@ def test_make_refuses_a_bug_on_the_wrong_layout_in_one_line(tmp_path):
     line = one_error_line(proc)
     assert proc.returncode == 2 and "pass --layout cp" in line, line
     assert "Step 1" not in proc.stdout and not (tmp_path / "out").exists()
+
+
+# --- exercise 26's check: its hints, with the oracle's answer given (no ranks) ------------------
+
+@pytest.mark.parametrize("module, kind, bug, words", [
+    ("norm", "backward", "sp-norm", "is not where the difference first leaves its floor"),
+    ("blocks.0.norm1", "forward", "sp-norm", "is not in the forward pass"),
+    ("blocks.0.norm1", "backward", "grad-sum", "is right; but grad-sum"),
+    ("blocks.0.norm1.bias", "backward", "sp-norm", "ok"),
+])
+def test_check_26_names_what_is_wrong(tmp_path, monkeypatch, module, kind, bug, words):
+    sys.path.insert(0, str(ROOT / "tools" / "checks"))
+    import check_26
+    from check_exercise import NotYet
+
+    assert parity_layouts.hidden_bug(0) == ("tp", parity_layouts.Bug("sp-norm", "blocks.0.norm1"))
+    monkeypatch.setattr(check_26, "_oracle", lambda layout, hidden: {  # what the oracle finds for SEED 0
+        "step": 1, "module": "blocks.0.norm1", "pass": "backward", "tensor": "blocks.0.norm1.bias",
+        "ratio": 1.4e5, "norm_ratio": 0.871})
+    answer = tmp_path / "answer.py"
+    answer.write_text(f'SEED = 0\nMODULE = "{module}"\nPASS = "{kind}"\nBUG = "{bug}"\n')
+    if words == "ok":
+        assert check_26.check(answer).startswith("SEED 0: the tp layout's first divergence is step 1, backward, blocks.0.norm1")
+        return
+    with pytest.raises(NotYet, match=re.escape(words)):
+        check_26.check(answer)

@@ -267,7 +267,7 @@ HIDDEN = ([("tp", Bug("tp-bias", f"blocks.{i}.{name}")) for i in range(T.N_BLOCK
 
 def hidden_bug(seed: int) -> tuple[str, Bug]:
     """(layout, bug) for exercise 26's SEED: one of HIDDEN, chosen by a hash of the seed."""
-    digest = hashlib.sha256(f"exercise-26 {seed}".encode()).digest()
+    digest = hashlib.sha256(f"lesson 26 exercise {seed}".encode()).digest()
     return HIDDEN[int.from_bytes(digest[:4], "little") % len(HIDDEN)]
 
 
@@ -304,3 +304,19 @@ def record_pair(rank: int, world: int, layout: str, bug: Bug, seed: int = T.SEED
         measure_rounding(recording, twin)
         found.append(recording)
     return found[0], found[1]
+
+
+def record_hidden(seed: int, folder, world: int = 2) -> str:
+    """Exercise 26's step 1: record_pair for hidden_bug(seed) on `world` ranks (one step), the
+    two recordings saved as folder/reference.pt and folder/parallel.pt. Returns the layout's
+    name; nothing says which bug."""
+    from pathlib import Path
+
+    from common.distributed import run_ranks
+    from parity_oracle import save
+
+    layout, bug = hidden_bug(seed)
+    reference, parallel = run_ranks(record_pair, world, (layout, bug, T.SEED, 1), timeout_s=300)[0]
+    for name, recording in (("reference.pt", reference), ("parallel.pt", parallel)):
+        save(recording, Path(folder) / name)
+    return layout
