@@ -16,7 +16,8 @@ the next round from the same weights.
 
 Below, each replica steps with its own pseudo-gradient: nothing leaves the rank, and the
 replicas drift apart. Make them talk.
-Hint: lesson 24's outer_step, and docs/24_local_sgd_diloco.md, Step 4.
+Hint: docs/24_local_sgd_diloco.md, Step 4 (the four lines, in words), and lesson 10 for
+all-reduce. Lesson 24's own outer_step is the answer: try it before you read it.
 
 Check it:  make check-24   (2 and 3 gloo ranks, two outer steps so that the momentum counts,
                             the weights beside the formula, and the collectives counted)

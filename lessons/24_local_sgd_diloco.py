@@ -6,7 +6,9 @@ New since lesson 14: no gradient all-reduce every step. Each replica takes H inn
 on its own rows, alone; then all average their pseudo-gradients (start weights minus end
 weights) in one all-reduce and step an outer optimizer: SGD lr 1 (LocalSGD: the average) or
 Nesterov (DiLoCo). H = 1 with SGD inside is DDP; bytes are 1/H of DDP's; a replica drops out and
-comes back; the weights equal the N replicas simulated in one process.
+comes back; the weights equal the N replicas simulated in one process. Each run is measured
+beside DDP, LocalSGD and DiLoCo on the same batches (Step 5); --sweep does it at H = 1, 4, 16,
+64, and for six outer lr/momentum settings (Step 7).
 
 Run:
     make lesson-24
@@ -64,7 +66,7 @@ def train(plan, rank, device, group=None, log=None, ui=None, bar=None):
     step, then a peer sends it the outer weights. Returns (model, losses, was I here)."""
     model = T.make_model(plan.seed).to(device)  # the same seed: every replica starts the same
     optimizer = diloco.make_inner(model, plan.inner)  # each replica's own: never averaged
-    outer, outer_optimizer = diloco.make_outer(model, plan.outer)
+    outer, outer_optimizer = diloco.make_outer(model, plan)
     losses, here = torch.zeros(plan.steps, dtype=torch.float64), torch.ones(plan.steps, dtype=torch.float64)
     timer, log_every = Timer(), max(plan.H, plan.steps // 4)
     for step in range(plan.steps):
@@ -152,28 +154,35 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     losses = (losses / here).tolist()  # the mean over the replicas present
     final_state = plain_state_dict(model)  # the outer weights: the same on every replica
 
-    # Step 5: Evaluate against the floor
-    ui.step(5, "Evaluate against the floor")
+    # Step 5: Evaluate against the floor and against DDP
+    # Talking less is worth its loss only beside what talking every step reaches: DDP, and the
+    # other outer step, on the same batches from the same weights (fresh runs, kept in `done`).
+    ui.step(5, "Evaluate against the floor and against DDP")
     held_out, accuracy = T.evaluate(model, args.steps, args.seed, device)
     ui.print(f"loss: first step {losses[0]:.4f} -> last step {losses[-1]:.4f}; "
              f"held-out batches {held_out:.4f}")
     ui.print(f"held-out loss is {T.floor_gap(held_out)}; next-token accuracy {accuracy:.1%}")
+    again = lambda p, log=None: train(p, rank, device, log=log)  # noqa: E731  (a fresh run, no output)
+    done = {}  # the runs made so far, so that Steps 7 and 8 reuse them
+    same = talk_report.same_batches(plan, held_out, losses, log, rank, device, again, done, ui)
 
     # Step 6: Compare with DDP: H = 1 with SGD inside is DDP; with AdamW inside it is not
     # Fresh short runs, ours and torch's (DistributedDataParallel; PostLocalSGDOptimizer)
     ui.step(6, "Compare with DDP: H = 1 with SGD inside is DDP; with AdamW inside it is not")
-    again = lambda p, log=None: train(p, rank, device, log=log)  # noqa: E731  (a fresh run, no output)
     short = dataclasses.replace(plan, steps=min(4, args.steps), H=1, outer="sgd", drop_rank=None, drop_at=None)
     proofs = talk_report.against_torch(short, rank, device, again, ui)
 
     # Step 7: Count the bytes: 1/H of DDP's
     ui.step(7, "Count the bytes: 1/H of DDP's")
     sent = talk_report.bytes_per_sample(log, plan, ui, proofs)
-    sweep = talk_report.sweep(plan, rank, device, again, out_dir("24", args.out), ui) if args.sweep else talk_report.no_sweep(ui)
+    if args.sweep:  # DDP, LocalSGD and DiLoCo at each H, and the outer step's lr and momentum
+        sweep, settings = talk_report.sweep(plan, rank, device, again, done, out_dir("24", args.out), ui)
+    else:
+        sweep, settings = talk_report.no_sweep(ui)
 
     # Step 8: One replica drops out and comes back: what it cost
     ui.step(8, "One replica drops out and comes back: what it cost")
-    dropout = talk_report.dropout_cost(plan, held_out, log, rank, device, again, ui, sweep)
+    dropout = talk_report.dropout_cost(plan, held_out, log, rank, device, again, done, ui)
     del model
     teardown()  # nothing below talks to the other ranks
     if rank != 0:
@@ -190,8 +199,9 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         lesson="24", world_size=world, backend=backend_for(device), device=str(device), losses=losses,
         final_accuracy=accuracy, wall_seconds=wall, samples=samples, steps=args.steps,
         seed=args.seed, global_batch=T.GLOBAL_BATCH, held_out_loss=held_out, loss_floor=floor,
-        sync_every=plan.H, inner=plan.inner, outer=plan.outer, **sent, **proofs, sweep=sweep,
-        dropout=dropout, max_abs_diff_vs_single_process=diff, held_out_loss_single_process=one["held_out"]))
+        sync_every=plan.H, inner=plan.inner, outer=plan.outer, **sent, **proofs, same_batches=same,
+        sweep=sweep, outer_settings=settings, dropout=dropout, max_abs_diff_vs_single_process=diff,
+        held_out_loss_single_process=one["held_out"]))
     ui.print(f"wrote {shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')} "
              f"({samples / wall:,.0f} sequences/s over {wall:.2f}s)")
 

@@ -1,10 +1,11 @@
 """Lesson 24's parts beside the idea: the flags and their checks, the two optimizers (inner and
-outer), the one-process simulation every distributed run must match, and torch's own
-DDP and LocalSGD (PostLocalSGDOptimizer + PeriodicModelAverager) for Step 6.
+outer, with the outer settings the --sweep compares), the one-process simulation every
+distributed run must match, and torch's own DDP (the baseline of Steps 5 and 7) and LocalSGD
+(PostLocalSGDOptimizer + PeriodicModelAverager, Step 6).
 
     plan = Plan.of(args)                      # world, steps, H, inner, outer, seed, drop-out
     optimizer = make_inner(model, plan.inner)  # AdamW (lesson 13's) or plain SGD, per replica
-    outer, outer_optimizer = make_outer(model, plan.outer)  # a copy of the weights, SGD on it
+    outer, outer_optimizer = make_outer(model, plan)  # a copy of the weights, SGD on it
     simulate(plan)                            # the N replicas in one process, one after another
 
 The outer step itself (average the pseudo-gradients, step the outer optimizer) is in the lesson
@@ -23,7 +24,12 @@ SGD_LR = 0.1  # the inner SGD's learning rate (AdamW keeps lesson 13's 1e-2)
 # The outer optimizers. LocalSGD: the new weights are the replicas' average (SGD, lr 1, no
 # momentum). DiLoCo (Douillard et al. 2023, arXiv 2311.08105): Nesterov momentum, lr 0.7, 0.9
 OUTER = {"sgd": dict(lr=1.0), "nesterov": dict(lr=0.7, momentum=0.9, nesterov=True)}
+METHOD = {"sgd": "localsgd", "nesterov": "diloco"}  # what metrics.json calls each
 SWEEP = (1, 4, 16, 64)  # the --sweep's H values
+# The --sweep's outer settings, all at H = SETTINGS_H: (lr, Nesterov momentum; 0: plain SGD).
+# (1.0, 0.0) is LocalSGD's plain average, (0.7, 0.9) the paper's DiLoCo.
+SETTINGS_H = 16
+SETTINGS = ((0.7, 0.0), (0.7, 0.5), (0.7, 0.9), (1.0, 0.0), (1.0, 0.5), (1.0, 0.9))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +43,23 @@ class Plan:
     seed: int = T.SEED
     drop_rank: int | None = None  # this replica misses outer step drop_at (numbered from 1)
     drop_at: int | None = None
+    outer_lr: float | None = None  # None: OUTER[outer]'s (the --sweep's SETTINGS set both)
+    outer_momentum: float | None = None
 
     @classmethod
     def of(cls, args) -> "Plan":
         return cls(args.world_size, args.steps, args.sync_every, args.inner, args.outer, args.seed,
                    args.drop_rank, args.drop_at)
+
+    def outer_settings(self) -> dict:
+        """torch.optim.SGD's arguments for the outer optimizer: OUTER[outer], with this plan's
+        lr and momentum where it sets them (Nesterov whenever there is a momentum)."""
+        settings = dict(OUTER[self.outer])
+        if self.outer_lr is not None:
+            settings["lr"] = self.outer_lr
+        if self.outer_momentum is not None:
+            settings.update(momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
+        return settings
 
     def away(self, rank: int, step: int) -> bool:
         """Is replica `rank` gone during inner step `step` (it left after the outer step before)?"""
@@ -57,10 +75,10 @@ def make_inner(model, kind: str) -> torch.optim.Optimizer:
     return T.make_optimizer(model) if kind == "adamw" else torch.optim.SGD(model.parameters(), lr=SGD_LR)
 
 
-def make_outer(model, kind: str):
+def make_outer(model, plan: Plan):
     """The outer weights (a copy: where every round starts, theta_start) and their optimizer."""
     outer = [p.detach().clone() for p in model.parameters()]
-    return outer, torch.optim.SGD(outer, **OUTER[kind])
+    return outer, torch.optim.SGD(outer, **plan.outer_settings())
 
 
 def apply_outer(model, outer, outer_optimizer, pseudo_gradient: torch.Tensor) -> None:
@@ -117,7 +135,7 @@ def simulate(plan: Plan) -> dict:
     try:
         models = [T.make_model(plan.seed) for _ in range(plan.world)]
         inner = [make_inner(m, plan.inner) for m in models]
-        outer, outer_optimizer = make_outer(models[0], plan.outer)
+        outer, outer_optimizer = make_outer(models[0], plan)
         losses = []
         for step in range(plan.steps):
             x, y = T.batch(step, plan.seed)
@@ -147,10 +165,11 @@ def simulate(plan: Plan) -> dict:
             "losses": losses, "held_out": held_out}
 
 
-# --- torch's own, for Step 6 ---------------------------------------------------------------
+# --- torch's own, for Steps 5-7 -------------------------------------------------------------
 
 def torch_run(how: str, plan: Plan, rank: int, device, log=None) -> dict:
-    """Train a fresh model with torch's own machinery, on this rank's shards:
+    """Train a fresh model with torch's own machinery, on this rank's shards (the sweep's
+    DDP row too): {"model", "losses" (this rank's), "sent" (bytes, with a CommLog)}.
     how="ddp": DistributedDataParallel, the inner optimizer stepping on the averaged gradients;
     how="periodic": PostLocalSGDOptimizer(inner, PeriodicModelAverager(period=H)): LocalSGD.
     PeriodicModelAverager averages when (step - warmup_steps) % period == 0 counting its calls
@@ -164,6 +183,7 @@ def torch_run(how: str, plan: Plan, rank: int, device, log=None) -> dict:
     optimizer = make_inner(model, plan.inner)
     if how == "periodic":
         optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=plan.H, warmup_steps=plan.H - 1))
+    losses = torch.zeros(plan.steps, dtype=torch.float64)
     for step in range(plan.steps):
         x, y = (T.shard(t, rank, plan.world).to(device) for t in T.batch(step, plan.seed))
         loss = T.loss_fn(wrapped(x), y)
@@ -174,9 +194,9 @@ def torch_run(how: str, plan: Plan, rank: int, device, log=None) -> dict:
         else:
             loss.backward()
         optimizer.step()
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    del wrapped  # a DDP reducer holds the process group: free it before the next one
-    return {"state": state, "sent": sum(c.sent_bytes for c in log.calls) if log else 0.0}
+        losses[step] = loss.item()
+    del wrapped, optimizer  # a DDP reducer holds the process group: free it before the next one
+    return {"model": model, "losses": losses, "sent": sum(c.sent_bytes for c in log.calls) if log else 0.0}
 
 
 # --- flags ---------------------------------------------------------------------------------
