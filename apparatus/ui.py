@@ -5,13 +5,16 @@
 * Only rank 0 draws a progress bar. When stdout is not a terminal (CI logs, pipes, `| tee`)
   rich prints no colours or cursor movements: the bar appears once, finished, at the end.
 * `step(n, title)` prints the step heading that matches `## Step n: title` in the doc and,
-  with --step, first pauses after the previous step (see `pause`).
+  with --step, first pauses after the previous step (see `pause`): at every step heading,
+  whichever process printed the step before (see `UNPAUSED_ENV`), before the process group
+  exists (torchrun's agent store) and after it is gone (rank 0 alone).
 """
 from __future__ import annotations
 
 import os
 import re
 import select
+import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -23,6 +26,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 
+# --step: the steps a process showed since its last pause, handed to the ranks it starts (they
+# inherit its environment). Lesson 10's Step 1 runs in the parent and Step 2 in the ranks: rank 0
+# pauses before Step 2 and sums up Step 1, as if one process had printed both.
+UNPAUSED_ENV = "LESSON_STEP_UNPAUSED"
+
+
 class UI:
     def __init__(self, rank: int = 0, world_size: int = 1, step_mode: bool = False):
         self.rank, self.world_size = rank, world_size
@@ -30,7 +39,10 @@ class UI:
         self.console = Console(highlight=False, soft_wrap=True)
         self.step_mode = step_mode
         self._current_step: int | None = None
-        self._unpaused: list[int] = []  # steps done since the last pause
+        # steps done since the last pause: at first, those the parent process showed
+        inherited = os.environ.get(UNPAUSED_ENV, "") if step_mode else ""
+        self._unpaused: list[int] = [int(n) for n in inherited.split(",") if n.isdigit()]
+        self._was_in_group = False  # a process group existed at an earlier step
         self._steps = doc_steps(sys.argv[0]) if step_mode else {}
         if step_mode and rank == 0 and step_terminal() is None:
             self.print("[dim]--step: stdin is not a terminal, so the steps will not pause[/dim]")
@@ -53,11 +65,15 @@ class UI:
         self.print(f"\n[bold]{text}[/bold]")
 
     def step(self, number: int, title: str) -> None:
-        """Heading of `# Step N: title`; with --step, pause after the previous step first."""
+        """Heading of `# Step N: title`; with --step, pause after the previous step first
+        (also when the previous step ran in the parent process: UNPAUSED_ENV)."""
         if self._current_step is not None:
             self._unpaused.append(self._current_step)
+        if self._unpaused:
             self.pause(next_step=(number, title))
         self._current_step = number
+        if self.step_mode:  # for the ranks this process may start next
+            os.environ[UNPAUSED_ENV] = ",".join(map(str, [*self._unpaused, number]))
         self.print(f"\n[bold magenta]Step {number}: {title}[/bold magenta]")
 
     def pause(self, next_step: tuple[int, str] | None = None) -> None:
@@ -68,17 +84,32 @@ class UI:
         counts collectives, or reads a profiler trace or a flight-recorder dump, sees only the
         lesson's own. Rank 0 renews a heartbeat every second while it waits, so a learner who
         reads for ten minutes never trips a timeout. Without a terminal nothing blocks.
+
+        Before the process group exists, the store torchrun's agent lends the ranks carries the
+        answer instead (lesson 06: Step 1 runs in every rank before Step 2 joins the group).
+        After the group is gone (teardown), nobody waits for anybody: rank 0 asks alone and the
+        other ranks go on (they have nothing left to say, and usually leave).
         """
         if not self.step_mode:
             return
         import torch.distributed as dist
 
         together = self.world_size > 1 and dist.is_available() and dist.is_initialized()
-        if self.world_size > 1 and not together:
-            # Before the process group exists the other ranks cannot wait for rank 0's
-            # answer (they would time out at the rendezvous): pause at the next step instead.
+        self._was_in_group = self._was_in_group or together
+        signal = None
+        if together:
+            signal = _Signal(dist.distributed_c10d._get_default_store(),  # private: the only handle
+                             dist.get_rank(), dist.get_world_size())
+        elif self.world_size > 1 and not self._was_in_group:
+            store = _launcher_store()
+            if store is None:
+                # No store every rank can reach yet: the other ranks could not wait for rank
+                # 0's answer (they would time out at the rendezvous). Pause at the next step.
+                return
+            signal = _Signal(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        elif self.world_size > 1 and not self.is_main:
+            self._unpaused = []  # the group is gone: rank 0 asks alone, we go on
             return
-        signal = _Signal(dist) if together else None
         if self.is_main:
             answer = "go"
             tty = step_terminal()
@@ -87,13 +118,16 @@ class UI:
                 tty.write("  [Enter] next step, [q] quit: ")
                 tty.flush()
                 answer = _read_answer(tty, signal.beat if signal else None)
+            if answer == "quit":  # at once: the other ranks may take a moment to hear it
+                self.print("Stopped at your request.")
+                sys.stdout.flush()
             if signal:
                 signal.send(answer)
         else:
             answer = signal.receive()
         self._unpaused = []
+        os.environ.pop(UNPAUSED_ENV, None)
         if answer == "quit":
-            self.print("Stopped at your request.")
             sys.stdout.flush()
             sys.stderr.flush()
             # Every rank stops here, together. os._exit skips the interpreter's teardown,
@@ -245,8 +279,29 @@ def _read_answer(tty: _TTY, beat=None) -> str:
             termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
+def _launcher_store():
+    """Before the process group exists: the store torchrun's agent serves at MASTER_ADDR:
+    MASTER_PORT for every rank (TORCHELASTIC_USE_AGENT_STORE, as torch/distributed/
+    rendezvous.py reads it), as a client, its keys apart for each restart; None elsewhere
+    (mp.spawn's ranks: the store is hosted only when they join)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "RANK" not in os.environ:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=datetime.timedelta(seconds=60))
+    except (KeyError, ValueError, RuntimeError):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"lesson_step_before_group/attempt_{attempt}", store)
+
+
 class _Signal:
-    """Rank 0's answer to one pause, carried by the process group's store, not by a collective.
+    """Rank 0's answer to one pause, carried by a store, not by a collective: the process
+    group's, or before it exists torchrun's agent's (`_launcher_store`).
 
     Rank 0 writes the key `lesson_step/<n>` (n counts this process's pauses, the same on every
     rank): "wait <i>" once a second while the learner reads, then "go" or "quit". The others
@@ -256,9 +311,8 @@ class _Signal:
     """
     count = 0  # pauses in this process; a class attribute, so a second UI cannot reuse a key
 
-    def __init__(self, dist):
-        self.store = dist.distributed_c10d._get_default_store()  # private, but the only handle
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+    def __init__(self, store, rank: int, world_size: int):
+        self.store, self.rank, self.world_size = store, rank, world_size
         _Signal.count += 1
         self.key = f"lesson_step/{_Signal.count}"
         self.beats = 0
@@ -271,16 +325,38 @@ class _Signal:
         self.store.set(self.key, answer)
         if answer == "quit":
             # Rank 0 may host the store: before it exits, every other rank must have read
-            # "quit", or they would find the store gone instead of the answer. (A rank that
-            # never reads it has died: the launcher reports that; we quit all the same.)
+            # "quit", or they would find the store gone instead of the answer. Except a rank
+            # that has left: lesson 16's other ranks end after Step 8 while rank 0 goes on in
+            # its group. (A rank that never answers has died: the launcher reports that; we
+            # quit all the same after the store's timeout.)
+            waiting = set(range(1, self.world_size))
+            deadline = time.monotonic() + max(self.store.timeout.total_seconds(), 3.0)
             try:
-                self.store.wait([f"{self.key}/quit_seen/{r}" for r in range(1, self.world_size)])
+                while waiting and time.monotonic() < deadline:
+                    waiting = {r for r in waiting if not self.store.check([f"{self.key}/quit_seen/{r}"])
+                               and not self._has_left(r)}
+                    time.sleep(0.05)
             except Exception:
                 pass
+
+    def _has_left(self, rank: int) -> bool:
+        """The rank's process has ended (it says where it runs as it waits at a pause; a rank
+        on another machine cannot be looked at, and counts as still there)."""
+        where = f"lesson_step/where/{rank}"
+        if not self.store.check([where]):
+            return False
+        host, pid = self.store.get(where).decode().rsplit(" ", 1)
+        if host != socket.gethostname():
+            return False
+        try:
+            return open(f"/proc/{int(pid)}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:  # no such process any more (or no /proc: then we cannot tell)
+            return sys.platform.startswith("linux")
 
     def receive(self) -> str:
         limit = max(self.store.timeout.total_seconds(), 3.0)  # at least three missed beats
         last, since = None, time.monotonic()
+        self.store.set(f"lesson_step/where/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         while True:
             value = self.store.get(self.key).decode() if self.store.check([self.key]) else None
             if value == "quit":
