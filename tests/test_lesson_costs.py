@@ -70,6 +70,30 @@ def test_the_first_run_is_measured_in_a_copy_with_nothing_cached(tmp_path):
         ["under 1 s", "1 s", "8-11 s", "9 s"]
 
 
+def test_update_measures_some_rows_again_and_keeps_the_others(tmp_path, monkeypatch):
+    """A row that failed while someone edited its check is measured again (--update NN); the
+    other rows, the exercise runs and the load range of the first run stay, the range widens."""
+    en, zh = tmp_path / "en.md", tmp_path / "zh.md"
+    rows = ["| 01 | 9 s | 8-9 s | 700 MiB | - | - | - |", "| 02 | 9 s | failed (1) | 0 MiB | - | - | - |"]
+    extra = ["| `make lesson-21 ARGS=\"--world-size 8\"` (x) | 1 s | 1 s | 1 MiB |"]
+    for path, is_zh in ((en, False), (zh, True)):
+        path.write_text(f"# Guide\n\n{lc.BEGIN}\n{lc.END}\n")
+        lc.write(path, lc.table(rows, zh=is_zh, extra=extra, loads=[4.0, 6.0]))
+    def measured_again(num, copy):  # a stand-in for a real run: its row, the load it saw
+        lc.LOADS.append(9.0)
+        return f"| {num} | 10 s | 9-10 s | 710 MiB | - | - | - |"
+
+    monkeypatch.setattr(lc, "lessons", lambda wanted: ["01", "02"])
+    monkeypatch.setattr(lc, "row", measured_again)
+    monkeypatch.setattr(lc, "LOADS", [])
+    lc.update(["02"], guides=(en, zh))
+    for path in (en, zh):
+        text = path.read_text()
+        assert rows[0] in text and "| 02 | 10 s | 9-10 s | 710 MiB |" in text and "failed" not in text
+        assert extra[0] in text
+    assert "load average 4.0-9.0" in en.read_text() and "平均负载 4.0-9.0" in zh.read_text()
+
+
 def test_the_lines_an_answer_changes_are_counted_from_the_files():
     assert lc.answer_lines("01") is None  # no checked exercise
     assert lc.answer_lines("21") and lc.answer_lines("21") < lc.answer_lines("23") + 50
