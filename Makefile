@@ -97,8 +97,9 @@ lesson-%:
 	{ [ -n "$(VENV_CURRENT)" ] || $(MAKE) --no-print-directory $(STAMP); } && \
 	$(PY) $(RUN_$(call PAD,$*)) $$f $(STEP_FLAG) $(ARGS)
 
+# FILE in single quotes (its own quotes escaped): a path with spaces or quotes is one argument
 check-%: $(STAMP)  ## check a learner's exercise: make check-05 [FILE=path]
-	@$(PY) tools/check_exercise.py $* $(FILE)
+	@$(PY) tools/check_exercise.py $* '$(subst ','\'',$(FILE))'
 
 checks: $(STAMP)
 	@$(PY) tools/check_exercise.py list

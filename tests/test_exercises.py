@@ -1,19 +1,26 @@
-"""Checked exercises: each check fails on the shipped starter and passes on a real solution.
+"""Checked exercises: each check fails on the shipped starter and passes on a real solution,
+and a file that tries to fool it does not.
 
 A check that passes on the starter could not tell a learner anything; one that fails on the
-solution would reject correct work. Both directions are tested for every checked exercise.
+solution would reject correct work. Both directions are tested for every checked exercise,
+with the command a learner or a teacher types (tools/check_exercise.py NN FILE). Then the
+tricks issue 35 found, each in a file of its own: the check must say "not yet" in one line,
+within a bound, and leave no process of the answer running.
 """
 import os
-import subprocess
+import re
+import signal
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, _zygote, run
+from conftest import ROOT, run
 
 sys.path.insert(0, str(ROOT / "tools"))
-from check_exercise import all_checks, main  # noqa: E402
+from check_exercise import IMPORT_LIMIT_S, all_checks  # noqa: E402
 
 SPREAD_OVER_WORKERS = True  # its tests share no fixture: any free xdist worker takes each (conftest.py)
 
@@ -22,77 +29,24 @@ CHECKS = all_checks()
 CHECK = [sys.executable, "tools/check_exercise.py"]
 
 
-_REAL_RUN = subprocess.run
+def check_cli(number: str, path: Path, timeout: float = 600) -> tuple[int, str]:
+    """`tools/check_exercise.py NN FILE`, as a teacher runs it: (exit code, stdout + stderr)."""
+    proc = run([*CHECK, number, str(path)], check=False, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
-def _forked_run(cmd, *, cwd=None, capture_output=False, text=False, timeout=None, check=False,
-                stdin=None, **other):
-    """subprocess.run as the checks call it; `python FILE.py ...` from the repository root runs
-    as a fork of the test zygote (torch imported already, instead of a new Python importing
-    it: about 5 CPU s for each of check 06's tools/nodes.py and check 23's lesson runs), with
-    the same environment, exit code and output. Whatever the zygote cannot run (usable: other
-    options, another program, a changed import-time variable) goes to the real one."""
-    env = dict(os.environ)
-    if not (capture_output and stdin in (None, subprocess.DEVNULL) and isinstance(cmd, list)
-            and cwd is not None and Path(cwd).resolve() == ROOT
-            and _zygote().usable(cmd, env, other, cwd=ROOT)):
-        return _REAL_RUN(cmd, cwd=cwd, capture_output=capture_output, text=text,
-                         timeout=timeout, check=check, stdin=stdin, **other)
-    proc = _zygote().run([str(c) for c in cmd], cwd=ROOT, env=env, timeout=timeout)
-    out, err = (proc.stdout, proc.stderr) if text else (proc.stdout.encode(), proc.stderr.encode())
-    if check and proc.returncode:
-        raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def check_in_process(number: str, path: Path, capsys, monkeypatch) -> tuple[int, str]:
-    """The harness's own main(), as `make check-NN` runs it, but in this process: no second
-    Python importing torch for each of the 2 x 16 checks (the CLI itself is run below). The
-    commands a check starts itself run as forks of the test zygote (_forked_run)."""
-    monkeypatch.setattr(subprocess, "run", _forked_run)
-    try:
-        main([number, str(path)])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        monkeypatch.setattr(subprocess, "run", _REAL_RUN)
-    out = capsys.readouterr()
-    return code, out.out + out.err
-
-
-def test_a_checks_commands_run_as_they_would_alone():
-    """_forked_run gives what subprocess.run gives: output, exit code, bytes or text, and the
-    error of check=True; other commands it leaves to subprocess.run."""
-    script = "import sys; print('out', sys.argv[1:]); print('err', file=sys.stderr); sys.exit(3)"
-    cmd = [sys.executable, "tools/check_exercise.py", "99"]  # exits 2 with one line on stderr
-    for text in (True, False):
-        want = _REAL_RUN(cmd, cwd=ROOT, capture_output=True, text=text, timeout=60)
-        got = _forked_run(cmd, cwd=ROOT, capture_output=True, text=text, timeout=60,
-                          stdin=subprocess.DEVNULL)
-        assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
-        assert got.returncode == 2 and got.stderr
-    with pytest.raises(subprocess.CalledProcessError) as raised:
-        _forked_run(cmd, cwd=ROOT, capture_output=True, check=True, timeout=60)
-    assert raised.value.returncode == 2
-    other = _forked_run([sys.executable, "-c", script, "x"], cwd=ROOT, capture_output=True, text=True)
-    assert (other.returncode, other.stdout, other.stderr) == (3, "out ['x']\n", "err\n")
-
-
-# check 23 measures lesson 23 once per mesh and process: its two tests share one xdist worker
-NUMBERS = [pytest.param(n, marks=pytest.mark.xdist_group("exercise_23")) if n == "23" else n
-           for n in sorted(CHECKS)]
+NUMBERS = sorted(CHECKS)
 
 
 @pytest.mark.parametrize("number", NUMBERS)
-def test_starter_is_not_yet_right(number, capsys, monkeypatch):
-    code, text = check_in_process(number, ROOT / CHECKS[number][0], capsys, monkeypatch)
+def test_starter_is_not_yet_right(number):
+    code, text = check_cli(number, ROOT / CHECKS[number][0])
     assert code == 1, text
-    assert text.startswith("not yet: ") and "Traceback" not in text
+    assert text.startswith("not yet: ") and "Traceback" not in text and text.count("\n") == 1, text
 
 
 @pytest.mark.parametrize("number", NUMBERS)
-def test_reference_solution_passes_wherever_it_is(number, capsys, tmp_path, monkeypatch):
+def test_reference_solution_passes_wherever_it_is(number, tmp_path):
     """A teacher checks a learner's copy from anywhere (make check-15 FILE=~/ana.py): the
     solution, copied outside the repository, passes (exercise 15's starter once found lesson
     15 through its own path, and a correct answer elsewhere failed with StopIteration)."""
@@ -100,8 +54,8 @@ def test_reference_solution_passes_wherever_it_is(number, capsys, tmp_path, monk
     copy = tmp_path / "submissions" / f"ana_{starter.name}"
     copy.parent.mkdir()
     copy.write_text((ROOT / "tests" / "solutions" / starter.name).read_text())
-    code, text = check_in_process(number, copy, capsys, monkeypatch)
-    assert code == 0 and text.startswith("ok: "), text
+    code, text = check_cli(number, copy)
+    assert code == 0 and text.startswith("ok: ") and text.count("\n") == 1, text
 
 
 def test_the_command_line_runs_a_check():
@@ -124,3 +78,204 @@ def test_make_check_and_unknown_lesson():
     assert all(f"make check-{n}" in out for n in CHECKS)
     proc = run([*CHECK, "99"], check=False)
     assert proc.returncode == 2 and "has no checked exercise" in proc.stderr
+
+
+# --- a file that tries to fool the check (issue 35) --------------------------------------------
+
+def hostile(tmp_path: Path, name: str, source: str) -> Path:
+    path = tmp_path / "submissions" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def not_yet(code: int, text: str, *fragments: str) -> str:
+    """One line, "not yet: ...", exit code 1, no traceback: the verdict, and nothing else."""
+    assert code == 1 and text.startswith("not yet: ") and text.count("\n") == 1, (code, text)
+    assert "Traceback" not in text and "ok:" not in text, text
+    for fragment in fragments:
+        assert fragment in text, text
+    return text
+
+
+@pytest.mark.parametrize("number, name", [("05", "05_set_epoch.py"), ("24", "24_outer_step.py")])
+def test_ok_printed_and_exit_0_at_import_is_not_yet(number, name, tmp_path):
+    """print("ok: passed"); os._exit(0) passed checks 21-24 (and any check that loaded the
+    file in its own process): the exit status and the output were the verdict."""
+    path = hostile(tmp_path, name, """\
+        import os
+        print("ok: passed", flush=True)
+        os._exit(0)
+        """)
+    not_yet(*check_cli(number, path), "ended the check's process (exit code 0) before the check had its results")
+
+
+def test_system_exit_0_at_import_is_not_yet(tmp_path):
+    """SystemExit(0) at import passed silently (exit code 0, no line at all)."""
+    path = hostile(tmp_path, "05_set_epoch.py", "raise SystemExit(0)\n")
+    not_yet(*check_cli("05", path), "exits as it is imported (SystemExit(0))")
+
+
+def test_an_atexit_handler_cannot_replace_the_verdict(tmp_path):
+    """An atexit handler ran in the checker after its "not yet", printed "ok:" and exited 0."""
+    path = hostile(tmp_path, "05_set_epoch.py", """\
+        import atexit
+        import os
+
+
+        def lie():
+            print("\\rok: every epoch has a new order", flush=True)
+            os._exit(0)
+
+
+        atexit.register(lie)
+
+
+        def epoch_orders(size, world, rank, epochs):
+            return [list(range(rank, size, world)) for _ in range(epochs)]
+        """)
+    not_yet(*check_cli("05", path), "reads the same order in two epochs")
+
+
+def test_patching_random_in_the_answer_does_not_choose_the_straggler(tmp_path, monkeypatch):
+    """Check 20 draws the slow rank with random.choice; an answer loaded in the checker's own
+    process replaced it, always drew rank 1, and answered 1. The draw is the check's alone now
+    (here it draws rank 2, as it does half of the time)."""
+    import check_20
+    from check_exercise import NotYet
+
+    monkeypatch.setattr(check_20.random, "choice", lambda seq: seq[-1])
+    path = hostile(tmp_path, "20_slowest_rank.py", """\
+        import random
+
+        random.choice = lambda seq: seq[0]
+
+
+        def slowest_rank(traces):
+            return 1
+        """)
+    with pytest.raises(NotYet, match="rank 2 slept .* but slowest_rank answered 1"):
+        check_20.check(path)
+
+
+def test_the_expected_value_is_not_in_any_frame_the_answer_can_read(tmp_path):
+    """Check 10's ranks held dist.all_reduce's sums in the caller's frame; a ring that copied
+    them from there (and sent nothing) passed. The sums are made by the check, elsewhere."""
+    path = hostile(tmp_path, "10_ring_all_reduce.py", """\
+        import sys
+
+
+        def ring_all_reduce(tensor):
+            frame = sys._getframe(1)
+            while frame is not None:  # the caller's answer, under any of the usual names
+                for name in ("expected", "want", "truth", "whole", "reference"):
+                    value = frame.f_locals.get(name)
+                    if getattr(value, "shape", None) == tensor.shape:
+                        tensor.copy_(value)
+                        return
+                frame = frame.f_back
+        """)
+    not_yet(*check_cli("10", path), "result differs from dist.all_reduce's")
+
+
+def test_a_sleep_at_import_is_stopped_in_time(tmp_path):
+    path = hostile(tmp_path, "05_set_epoch.py", "import time\ntime.sleep(3600)\n")
+    start = time.monotonic()
+    not_yet(*check_cli("05", path, timeout=IMPORT_LIMIT_S + 90),
+            f"did not finish importing within {IMPORT_LIMIT_S}s")
+    assert time.monotonic() - start < IMPORT_LIMIT_S + 60
+
+
+def test_a_function_that_never_returns_is_stopped_in_time(tmp_path):
+    path = hostile(tmp_path, "18_one_f_one_b.py", """\
+        def schedule(p, m):
+            while True:
+                pass
+        """)
+    start = time.monotonic()
+    not_yet(*check_cli("18", path, timeout=IMPORT_LIMIT_S + 120), "the check stopped your code after 30s")
+    assert time.monotonic() - start < IMPORT_LIMIT_S + 90
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; the keeper's subreaper is Linux's")
+def test_every_process_the_answer_started_ends_with_the_check(tmp_path):
+    """Processes an answer forked outlived the check (3 left after check-24; a daemonised fork
+    survived). A plain fork, a daemon (fork, setsid, fork) and another program in a session of
+    its own, each ignoring SIGTERM, started at import: in the answer's process and in each of
+    its ranks. None is left once the check has answered."""
+    path = hostile(tmp_path, "24_outer_step.py", """\
+        import os
+        import signal
+        import subprocess
+        import time
+        from pathlib import Path
+
+        PIDS = Path(__file__).with_suffix(".pids")
+
+
+        def note(pid):
+            with open(PIDS, "a") as f:
+                f.write(f"{pid}\\n")
+
+
+        def forever():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            while True:
+                time.sleep(0.2)
+
+
+        if os.fork() == 0:  # a plain fork
+            note(os.getpid())
+            forever()
+        if os.fork() == 0:  # a daemon
+            os.setsid()
+            if os.fork() == 0:
+                note(os.getpid())
+                forever()
+            os._exit(0)
+        note(subprocess.Popen(["sleep", "1000"], start_new_session=True).pid)
+
+
+        def outer_step(model, outer, optimizer):
+            pass  # not the answer: the check says so, and ends everything above
+        """)
+    not_yet(*check_cli("24", path), "with 2 ranks")
+    pids = [int(p) for p in path.with_suffix(".pids").read_text().split()]
+    assert len(pids) >= 9, pids  # three in the answer's process, three in each of its 2 ranks
+    deadline = time.monotonic() + 5
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if _alive(pid)]
+    for pid in left:  # (so that a failure leaves nothing behind either)
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running after the check: {left}"
+
+
+def test_ranks_that_exit_0_are_one_line(tmp_path):
+    """check-24 whose ranks exit 0 in outer_step: a TypeError traceback in the checker
+    (check_24.py:90) before."""
+    path = hostile(tmp_path, "24_outer_step.py", """\
+        import os
+
+
+        def outer_step(model, outer, optimizer):
+            os._exit(0)
+        """)
+    not_yet(*check_cli("24", path), "with 2 ranks, rank 0 ended (exit code 0) before it returned its results")
+
+
+def test_an_answer_that_returns_the_wrong_kind_of_thing_is_one_line(tmp_path):
+    path = hostile(tmp_path, "05_set_epoch.py", """\
+        def epoch_orders(size, world, rank, epochs):
+            return None
+        """)
+    text = not_yet(*check_cli("05", path), "your code raised TypeError")
+    assert re.search(r"\(05_set_epoch.py, line \d+\)", text) or "NoneType" in text, text

@@ -210,3 +210,13 @@ def test_a_classroom_wheel_cache_installs_a_venv_with_no_index(tmp_path):
     again = subprocess.run(["make", "-C", str(student), "venv", f"WHEELS={cache}"],
                            capture_output=True, text=True, timeout=60, env=offline_env())
     assert "Nothing to be done" in again.stdout, again.stdout + again.stderr
+
+
+def test_make_check_takes_a_file_whose_name_has_spaces_and_quotes(tmp_path):
+    """`make check-05 FILE="my answers/05 try.py"` split the path at its space (issue 35)."""
+    solution = (ROOT / "tests" / "solutions" / "05_set_epoch.py").read_text()
+    path = tmp_path / "ana's answers" / "05 try.py"
+    path.parent.mkdir()
+    path.write_text(solution)
+    proc = run(["make", "-s", "check-05", f"FILE={path}"], check=False, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok: "), proc.stdout + proc.stderr

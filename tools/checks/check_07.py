@@ -9,8 +9,40 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# check_exercise is imported where it is used (see check_14.py: a top-level import is circular)
+# check_exercise is imported where it is used (see check_14.py: a top-level import is circular).
+# _answers runs in the answer's process (check_exercise.answer); check() compares, here.
 STARTER = "exercises/07_resume_mid_epoch.py"
+
+
+# (global step of the snapshot, world size on resume, seed, data set size, global batch)
+CASES = [(40, 2, 0, 3072, 96), (40, 3, 0, 3072, 96), (32, 4, 0, 3072, 96),
+         (5, 1, 0, 3072, 96), (77, 6, 7, 3072, 96), (27, 2, 3, 960, 48)]
+
+
+def _setup(step: int, world: int, seed: int, size: int, batch: int) -> str:
+    per_epoch = size // batch
+    epoch, done = divmod(step, per_epoch)
+    return (f"resuming after global step {step} (epoch {epoch + 1}, {done} of its "
+            f"{per_epoch} steps done; global batch {batch}, {size} samples, seed {seed}) "
+            f"on {world} rank(s)")
+
+
+def _answers(module) -> list:
+    """In the answer's process: still_to_do for every case and rank, as lists of ints."""
+    from check_exercise import NotYet, where
+
+    out = []
+    for step, world, seed, size, batch in CASES:
+        answers = []
+        for rank in range(world):
+            try:
+                answers.append([int(i) for i in module.still_to_do(
+                    step, world, rank, seed=seed, dataset_size=size, global_batch=batch)])
+            except Exception as exc:
+                raise NotYet(f"{_setup(step, world, seed, size, batch)}: still_to_do(..., rank={rank}) "
+                             f"raised {type(exc).__name__}: {exc}{where(exc, module.__file__)}")
+        out.append(answers)
+    return out
 
 
 def check(path: Path) -> str:
@@ -19,34 +51,25 @@ def check(path: Path) -> str:
 
     from torch.utils.data import DistributedSampler
 
-    from check_exercise import NotYet, listed, load, where
+    from check_exercise import NotYet, answer, listed
 
-    module = load(path)
-    # (global step of the snapshot, world size on resume, seed, data set size, global batch)
-    cases = [(40, 2, 0, 3072, 96), (40, 3, 0, 3072, 96), (32, 4, 0, 3072, 96),
-             (5, 1, 0, 3072, 96), (77, 6, 7, 3072, 96), (27, 2, 3, 960, 48)]
-    for step, world, seed, size, batch in cases:
+    every = answer(path, _answers)  # the learner's code runs there; the truth is made here
+    for (step, world, seed, size, batch), answers in zip(CASES, every, strict=True):
         per_epoch = size // batch
         epoch, done = divmod(step, per_epoch)
-        setup = (f"resuming after global step {step} (epoch {epoch + 1}, {done} of its "
-                 f"{per_epoch} steps done; global batch {batch}, {size} samples, seed {seed}) "
-                 f"on {world} rank(s)")
-        truth, answers = [], []
+        setup = _setup(step, world, seed, size, batch)
+        truth = []
         for rank in range(world):
             sampler = DistributedSampler(range(size), num_replicas=world, rank=rank,
                                          shuffle=True, seed=seed)
             sampler.set_epoch(epoch)
             truth.append(list(sampler)[done * (batch // world):])
-            try:
-                answers.append([int(i) for i in module.still_to_do(
-                    step, world, rank, seed=seed, dataset_size=size, global_batch=batch)])
-            except Exception as exc:
-                raise NotYet(f"{setup}: still_to_do(..., rank={rank}) raised "
-                             f"{type(exc).__name__}: {exc}{where(exc, str(path))}")
+        if len(answers) != world:
+            raise NotYet(f"{setup}: the check got answers for {len(answers)} ranks")
         sampler = DistributedSampler(range(size), num_replicas=1, rank=0, shuffle=True, seed=seed)
         sampler.set_epoch(epoch)
         trained = set(list(sampler)[:done * batch])  # the epoch's first `done` global batches
-        count = Counter(i for answer in answers for i in answer)
+        count = Counter(i for answer_ in answers for i in answer_)
         again = [i for i in count if i in trained]
         if again:
             raise NotYet(f"{setup}: the ranks would train {len(again)} samples again that the "
@@ -73,5 +96,5 @@ def check(path: Path) -> str:
                              f"the uninterrupted run would train them (from position {at} on), so "
                              f"the resumed batches, and the weights, would differ. Keep "
                              f"DistributedSampler's order for the epoch")
-    return (f"{len(cases)} resumes (mid-epoch, at an epoch boundary, with another world size) "
+    return (f"{len(CASES)} resumes (mid-epoch, at an epoch boundary, with another world size) "
             f"train the rest of the epoch exactly once, in the sampler's order")

@@ -55,15 +55,22 @@ def _rank_08(rank: int, world: int, path: str, accums: tuple, steps: int) -> lis
     return runs
 
 
+def _on_ranks(module, world: int, accums: tuple, steps: int) -> list:
+    """In the answer's process: _rank_08 on `world` ranks; their results, by rank."""
+    from check_exercise import run_world
+
+    return run_world(world, _rank_08, (module.__file__, accums, steps), Path(module.__file__))
+
+
 def check(path: Path) -> str:
     """One all-reduce per optimizer step, and the weights of training without accumulation."""
-    from check_exercise import NotYet, load, max_diff, run_world
+    from check_exercise import WORLD_TIMEOUT_S, NotYet, answer, max_diff
     from common import recipe
 
-    load(path)  # a file that does not even import fails here, before any rank starts
     world, steps, accums = 2, 6, (4, 2)
+    # the learner's loop runs in the answer's ranks; the reference is trained here
+    ranks = answer(path, _on_ranks, world, accums, steps, limit_s=WORLD_TIMEOUT_S + 30)
     reference = recipe.train_reference(epochs=1, steps=steps)  # one process, no accumulation
-    ranks = run_world(world, _rank_08, (str(path), accums, steps), path)
     for i, accum in enumerate(accums):
         runs = [r[i] for r in ranks]
         setup = (f"{world} ranks, {steps} global batches of 96, {accum} micro-batches of "

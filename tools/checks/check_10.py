@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# check_exercise is imported where it is used (see check_14.py: a top-level import is circular)
+# check_exercise is imported where it is used (see check_14.py: a top-level import is circular).
+# _rank_10 runs in the answer's ranks (check_exercise.answer); check() compares, here.
 STARTER = "exercises/10_ring_all_reduce.py"
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -17,16 +18,26 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "all_to_all_single", "gather", "scatter")
 
 
-def _rank_10(rank: int, world: int, path: str) -> list:
-    """The learner's ring on tensors of several sizes, each compared with dist.all_reduce;
-    every point-to-point send is counted (elements and destination) on the way."""
+def _sizes(world: int) -> list:
+    return sorted({1, world - 1, world, world + 1, 10, 1001} - {0})
+
+
+def _input(size: int, rank: int):
     import torch
+
+    g = torch.Generator().manual_seed(1000 * size + rank)  # every rank its own numbers
+    return torch.randn(size, generator=g)
+
+
+def _rank_10(rank: int, world: int, path: str) -> list:
+    """The learner's ring on tensors of several sizes: what it left in each tensor, and every
+    point-to-point send counted (elements and destination) on the way. The sums it should
+    have made are computed by the check, in its own process."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     from check_exercise import NotYet, load
 
-    all_reduce = dist.all_reduce
     sent = {"elements": 0, "to": set()}
 
     def counted(send):
@@ -51,42 +62,45 @@ def _rank_10(rank: int, world: int, path: str) -> list:
     for name in COLLECTIVES:
         setattr(dist, name, forbidden(name))
     module = load(Path(path))
-    sizes = sorted({1, world - 1, world, world + 1, 10, 1001} - {0})
     out = []
-    for size in sizes:
-        g = torch.Generator().manual_seed(1000 * size + rank)  # every rank its own numbers
-        x = torch.randn(size, generator=g)
-        expected = x.clone()
-        all_reduce(expected)
-        got = x.clone()
+    for size in _sizes(world):
+        got = _input(size, rank)
         before = sent["elements"]
         module.ring_all_reduce(got)
-        wrong = ~torch.isclose(got, expected, rtol=1.3e-6, atol=1e-5)  # assert_close's float32
-        try:
-            torch.testing.assert_close(got, expected)
-            ok = True
-        except AssertionError:
-            ok = False
-        out.append({"size": size, "ok": ok, "sent": sent["elements"] - before,
-                    "max_diff": (got - expected).abs().max().item(),
-                    "first_wrong": int(wrong.nonzero()[0, 0]) if wrong.any() else -1})
+        out.append({"size": size, "got": got.detach().clone(), "sent": sent["elements"] - before})
     return [out, sorted(int(t) for t in sent["to"] if t is not None)]
+
+
+def _on_ranks(module, world: int) -> list:
+    """In the answer's process: _rank_10 on `world` ranks."""
+    from check_exercise import run_world
+
+    return run_world(world, _rank_10, (module.__file__,), Path(module.__file__))
 
 
 def check(path: Path) -> str:
     """The ring matches dist.all_reduce for 2, 3 and 4 ranks and sizes N does not divide."""
-    from check_exercise import NotYet, load, run_world
+    import torch
 
-    load(path)
+    from check_exercise import WORLD_TIMEOUT_S, NotYet, answer
+
     for world in (2, 3, 4):
-        ranks = run_world(world, _rank_10, (str(path), ), path)
+        ranks = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
         for rank, (results, peers) in enumerate(ranks):
             for r in results:
-                if not r["ok"]:
+                # what dist.all_reduce gives: the sum of every rank's tensor, made here
+                expected = sum(_input(r["size"], q) for q in range(world))
+                got = r["got"]
+                if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+                    raise NotYet(f"with {world} ranks and a tensor of {r['size']} floats, rank {rank}'s "
+                                 f"tensor changed shape: ring_all_reduce works in place, on the tensor given")
+                wrong = ~torch.isclose(got, expected, rtol=1.3e-6, atol=1e-5)  # assert_close's float32
+                if wrong.any():
                     before = "; with 2 ranks every size was right" if world > 2 else ""
                     raise NotYet(f"with {world} ranks and a tensor of {r['size']} floats, rank "
                                  f"{rank}'s result differs from dist.all_reduce's (from element "
-                                 f"{r['first_wrong']} on; max |difference| {r['max_diff']:.3g})"
+                                 f"{int(wrong.nonzero()[0, 0])} on; max |difference| "
+                                 f"{(got - expected).abs().max().item():.3g})"
                                  f"{before}. At step k of each phase, which chunk does rank r "
                                  f"send, and which one arrives? (lesson 10, Step 3 draws it)")
         for rank, (results, peers) in enumerate(ranks):

@@ -43,15 +43,21 @@ def _rank_11(rank: int, world: int, path: str, steps: int, slow_rank: int, delay
             "seconds_in_step": waited}
 
 
+def _on_ranks(module, world: int, steps: int, slow: int, delay: float) -> list:
+    """In the answer's process: _rank_11 on `world` ranks."""
+    from check_exercise import run_world
+
+    return run_world(world, _rank_11, (module.__file__, steps, slow, delay), Path(module.__file__))
+
+
 def check(path: Path) -> str:
     """Every worker takes the global batch's step: copies identical, equal to one process."""
-    from check_exercise import NotYet, load, max_diff, run_world
+    from check_exercise import WORLD_TIMEOUT_S, NotYet, answer, max_diff
     from common import recipe
 
-    load(path)
     world, steps, slow, delay = 3, 6, 2, 0.15
+    ranks = answer(path, _on_ranks, world, steps, slow, delay, limit_s=WORLD_TIMEOUT_S + 30)
     reference = recipe.train_reference(epochs=1, steps=steps)  # one process, global batches of 96
-    ranks = run_world(world, _rank_11, (str(path), steps, slow, delay), path)
     setup = f"{world} workers, {steps} steps of 96 samples ({96 // world} per worker)"
     spread = max(max_diff(r["weights"], ranks[0]["weights"]) for r in ranks)
     if spread > 1e-6:

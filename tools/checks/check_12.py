@@ -42,14 +42,20 @@ def _rank_12(rank: int, world: int, path: str, weights: dict) -> dict:
     return {"accuracy": float(accuracy), "seen": seen}
 
 
+def _on_ranks(module, world: int, weights: dict) -> list:
+    """In the answer's process: _rank_12 on `world` ranks."""
+    from check_exercise import run_world
+
+    return run_world(world, _rank_12, (module.__file__, weights), Path(module.__file__))
+
+
 def check(path: Path) -> str:
     """Distributed accuracy equals one process's, with each sample evaluated on one rank."""
     import torch
 
-    from check_exercise import NotYet, listed, load, run_world
+    from check_exercise import WORLD_TIMEOUT_S, NotYet, answer, listed
     from common import recipe
 
-    load(path)
     # a model part-way through training (one process, 4 steps): neither 0% nor 100%
     weights = recipe.train_reference(epochs=1, steps=4)
     model = recipe.make_model(recipe.SEED)
@@ -59,7 +65,7 @@ def check(path: Path) -> str:
         right = int((model(x).argmax(1) == y).sum())
     truth = right / N_VAL
     for world in (2, 3):
-        ranks = run_world(world, _rank_12, (str(path), weights), path)
+        ranks = answer(path, _on_ranks, world, weights, limit_s=WORLD_TIMEOUT_S + 30)
         got = [r["accuracy"] for r in ranks]
         setup = f"{N_VAL} samples on {world} ranks"
         if max(got) - min(got) > 1e-12:

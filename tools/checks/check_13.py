@@ -16,40 +16,56 @@ def _lesson_13():
     return lesson_module("13")
 
 
+def _measure(forward) -> tuple:
+    """(bytes saved for backward, the loss, every parameter's gradient) of forward(model, x)
+    on the recipe's transformer and first batch, measured as lesson 13 measures it."""
+    import torch
+
+    from apparatus.memory import SavedTensors
+    from common import transformer as T
+
+    torch.set_num_threads(1)
+    model = T.make_model(0)
+    x, y = T.batch(0)
+    with SavedTensors(model) as saved:
+        loss = T.loss_fn(forward(model, x), y)
+    loss.backward()
+    return saved.bytes, loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _mine(module) -> dict:
+    """In the answer's process: the learner's forward, measured."""
+    from check_exercise import NotYet
+
+    if not hasattr(module, "forward_mlp_checkpointed"):
+        raise NotYet(f"{module.__file__} has no function forward_mlp_checkpointed(model, x)")
+    try:
+        saved, loss, grads = _measure(module.forward_mlp_checkpointed)
+    except Exception as exc:
+        raise NotYet(f"forward_mlp_checkpointed failed: {type(exc).__name__}: {exc}")
+    return {"saved": int(saved), "loss": loss, "grads": grads}
+
+
 def check(path: Path) -> str:
     """Checkpoint only the MLP of every block: less saved, same loss and gradients."""
     import torch
 
-    from apparatus.memory import SavedTensors, mib
-    from check_exercise import NotYet, load
+    from apparatus.memory import mib
+    from check_exercise import NotYet, answer
     from common import transformer as T
 
-    module = load(path)
-    if not hasattr(module, "forward_mlp_checkpointed"):
-        raise NotYet(f"{path} has no function forward_mlp_checkpointed(model, x)")
-    torch.set_num_threads(1)
-    model = T.make_model(0)
-    x, y = T.batch(0)
-
-    def measure(forward):
-        model.zero_grad(set_to_none=True)
-        with SavedTensors(model) as saved:
-            loss = T.loss_fn(forward(x), y)
-        loss.backward()
-        return saved.bytes, loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-    plain, loss, grads = measure(model)
-    whole, _, _ = measure(lambda t: _lesson_13().forward_checkpointed(model, t))
-    try:
-        mine, my_loss, my_grads = measure(lambda t: module.forward_mlp_checkpointed(model, t))
-    except Exception as exc:
-        raise NotYet(f"forward_mlp_checkpointed failed: {type(exc).__name__}: {exc}")
+    got = answer(path, _mine)  # the learner's forward, in its own process; the others here
+    mine, my_loss, my_grads = got["saved"], got["loss"], got["grads"]
+    plain, loss, grads = _measure(lambda model, x: model(x))
+    whole, _, _ = _measure(lambda model, x: _lesson_13().forward_checkpointed(model, x))
     if my_loss.shape != loss.shape or not torch.allclose(my_loss, loss, rtol=0, atol=1e-6):
         raise NotYet(f"the loss is {my_loss.item():.6f}, model(x) gives {loss.item():.6f}: "
                      f"checkpointing must not change what is computed")
-    for (name, _), g, mine_g in zip(model.named_parameters(), grads, my_grads):
+    names = [name for name, _ in T.make_model(0).named_parameters()]
+    for name, g, mine_g in zip(names, grads, my_grads, strict=True):
         if not torch.allclose(g, mine_g, rtol=1e-5, atol=1e-6):
             raise NotYet(f"the gradient of {name} differs from model(x)'s")
+    x, _ = T.batch(0)
     hidden = 2 * T.N_BLOCKS * x.numel() * T.MLP_DIM * 4  # fc's output and GELU's, fp32
     if plain - mine < hidden:
         raise NotYet(f"it saves {mib(mine)} for backward, model(x) {mib(plain)}: the MLPs' hidden "

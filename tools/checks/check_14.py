@@ -58,8 +58,9 @@ def _train(wrapped, model, rank: int, sync, log=None) -> dict:
 
 
 def _rank_14(rank: int, world: int, path: str) -> dict:
+    """In the answer's ranks: the learner's OverlappedSync trains; its weights and CommLog's
+    record come back (torch DDP's weights are trained by the check, in ranks of its own)."""
     import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from apparatus.comm import CommLog
     from check_exercise import load
@@ -71,25 +72,40 @@ def _rank_14(rank: int, world: int, path: str) -> dict:
     log = CommLog()
     with log.recording(), log.watching(model):
         ours = _train(model, model, rank, sync.finish_gradient_synchronization, log)
-    frozen_grad = model.frozen.weight.grad is not None
+    summary = log.summary(STEPS)
+    summary["trainable"] = sum(1 for p in model.parameters() if p.requires_grad)
+    summary["frozen_grad"] = model.frozen.weight.grad is not None
+    summary["weights"] = ours
+    return summary
+
+
+def _ddp_14(rank: int, world: int) -> dict:
+    """The same steps under torch's DistributedDataParallel: the weights to match (no learner
+    code runs in these ranks)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
     reference = _model()
     ddp = DDP(reference)
     theirs = _train(ddp, reference, rank, lambda: None)
     del ddp
-    summary = log.summary(STEPS)
-    summary["trainable"] = sum(1 for p in model.parameters() if p.requires_grad)
-    summary["frozen_grad"] = frozen_grad
-    summary["diff"] = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
-    return summary
+    return theirs
+
+
+def _on_ranks(module, world: int) -> list:
+    """In the answer's process: _rank_14 on `world` ranks."""
+    from check_exercise import run_world
+
+    return run_world(world, _rank_14, (module.__file__,), Path(module.__file__))
 
 
 def check(path: Path) -> str:
     """All-reduces start during backward; the weights are torch DDP's (tied and frozen too)."""
-    from check_exercise import NotYet, load, run_world
+    from check_exercise import WORLD_TIMEOUT_S, NotYet, answer, max_diff, run_world
 
-    load(path)  # a file that does not import fails here, before any rank starts
     for world in (3,):  # an odd number of ranks
-        ranks = run_world(world, _rank_14, (str(path),), path)
+        ranks = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
         r0 = ranks[0]
         setup = (f"with {world} ranks ({r0['trainable']} trainable tensors: the tied "
                  f"embedding/head weight counts once, the frozen layer not at all)")
@@ -110,7 +126,8 @@ def check(path: Path) -> str:
                          f"{1 - r0['async_fraction']:.0%} of them block it until they finish; "
                          f"start them with async_op=True and wait in "
                          f"finish_gradient_synchronization()")
-        worst = max(r["diff"] for r in ranks)
+        theirs = run_world(world, _ddp_14, (), path)  # torch's DDP, in the check's own ranks
+        worst = max(max_diff(r["weights"], t) for r, t in zip(ranks, theirs, strict=True))
         if worst > 1e-5:
             raise NotYet(f"{setup}: the weights end {worst:.1e} away from torch DDP's after "
                          f"{STEPS} steps (allowed: 1e-5). Does finish_gradient_synchronization() "

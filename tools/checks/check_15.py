@@ -65,31 +65,34 @@ def _train(opt, model, batches, rank, foreign=frozenset(), track=False):
     return peak, kept
 
 
+def _batches():
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(WORLD * 4, WIDTH, generator=g) for _ in range(STEPS)]
+
+
 def _rank_15(rank: int, world: int, path: str) -> dict:
+    """In the answer's ranks: ZeroTwo trains; the weights, which gradients each rank kept, and
+    MemTracker's peaks come back (one process's weights are trained by the check itself)."""
     import torch
 
     from check_exercise import load
 
     module = load(Path(path))
-    model, single = _model(), _model()
+    model = _model()
     opt = module.ZeroTwo(model.parameters(), torch.optim.AdamW, lr=1e-2)
     mine = {id(p) for p in opt.shards[rank]}
     foreign = {id(p) for p in model.parameters()} - mine
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(world * 4, WIDTH, generator=g) for _ in range(STEPS)]
+    batches = _batches()
     _, kept = _train(opt, model, batches, rank, foreign)
     two, one = _model(frozen=False), _model(frozen=False)  # the peaks: ZeRO-2 and ZeRO-1
     peak, _ = _train(module.ZeroTwo(two.parameters(), torch.optim.AdamW, lr=1e-2), two, batches,
                      rank, track=True)
     peak_zero1, _ = _train(module.lesson_15.ShardedOptimizer(one.parameters(), torch.optim.AdamW,
                                                              lr=1e-2), one, batches, rank, track=True)
-    ref = torch.optim.AdamW(single.parameters(), lr=1e-2)
-    for x in batches:
-        ref.zero_grad()
-        sum(single(x[r * 4:(r + 1) * 4]).square().mean() for r in range(world)).div(world).backward()
-        ref.step()
     params = list(model.parameters())
-    return {"diff": max((a - b).abs().max().item() for a, b in zip(params, single.parameters())),
+    return {"weights": [p.detach().clone() for p in params],
             "kept_after_backward": kept,
             "foreign": sum(1 for p in params if id(p) in foreign and p.grad is not None),
             "own_missing": sum(1 for p in opt.shards[rank] if p.requires_grad and p.grad is None),
@@ -98,15 +101,35 @@ def _rank_15(rank: int, world: int, path: str) -> dict:
             "peak": peak, "peak_zero1": peak_zero1}
 
 
+def _single() -> list:
+    """The same steps in one process: each step's gradient the mean of the ranks' losses."""
+    import torch
+
+    single = _model()
+    ref = torch.optim.AdamW(single.parameters(), lr=1e-2)
+    for x in _batches():
+        ref.zero_grad()
+        sum(single(x[r * 4:(r + 1) * 4]).square().mean() for r in range(WORLD)).div(WORLD).backward()
+        ref.step()
+    return [p.detach() for p in single.parameters()]
+
+
+def _on_ranks(module) -> list:
+    """In the answer's process: _rank_15 on WORLD ranks."""
+    from check_exercise import run_world
+
+    return run_world(WORLD, _rank_15, (module.__file__,), Path(module.__file__))
+
+
 def check(path: Path) -> str:
     """Backward leaves each rank only its own shard's gradients; the weights are one process's;
     the peak of a step is below ZeRO-1's on every rank."""
-    from check_exercise import NotYet, load, run_world
+    from check_exercise import WORLD_TIMEOUT_S, NotYet, answer
 
-    load(path)
-    ranks = run_world(WORLD, _rank_15, (str(path),), path)
+    ranks = answer(path, _on_ranks, limit_s=WORLD_TIMEOUT_S + 30)
     setup = f"{WORLD} ranks, {STEPS} AdamW steps, a tied weight and a frozen layer"
-    worst = max(r["diff"] for r in ranks)
+    single = _single()
+    worst = max((a - b).abs().max().item() for r in ranks for a, b in zip(r["weights"], single, strict=True))
     if worst > 1e-5:
         raise NotYet(f"{setup}: the weights end {worst:.1e} away from one process (allowed "
                      f"1e-5). Is each gradient the mean over the ranks, and freed only after "

@@ -39,24 +39,34 @@ def _rank_16(rank: int, world: int, folder: str) -> dict:
     return mine
 
 
+def _pieces(module, folder: str, keys: list) -> dict:
+    """In the answer's process: {key: the learner's shards_of(folder, key), as plain tuples}."""
+    from check_exercise import NotYet
+
+    out = {}
+    for key in keys:
+        try:
+            out[key] = [(str(f), tuple(int(o) for o in off), tuple(int(s) for s in size))
+                        for f, off, size in module.shards_of(Path(folder), key) if all(size)]
+        except Exception as exc:
+            raise NotYet(f"shards_of(folder, {key!r}) failed: {type(exc).__name__}: {exc}")
+    return out
+
+
 def check(path: Path) -> str:
     """Name, for each tensor, the file, offsets and shape of every piece the ranks saved."""
-    from check_exercise import NotYet, load, run_world
+    from check_exercise import NotYet, answer, run_world
 
-    module = load(path)
     with tempfile.TemporaryDirectory() as folder:
-        ranks = run_world(WORLD, _rank_16, (folder,), path)
-        for key in ranks[0]:
-            want = sorted((r[key] for r in ranks if all(r[key][2])), key=lambda p: p[1])
-            try:
-                got = [(str(f), tuple(int(o) for o in off), tuple(int(s) for s in size))
-                       for f, off, size in module.shards_of(Path(folder), key) if all(size)]
-            except Exception as exc:
-                raise NotYet(f"shards_of(folder, {key!r}) failed: {type(exc).__name__}: {exc}")
-            if got != want:
-                raise NotYet(f"{WORLD} ranks saved {key} in {len(want)} pieces {want}; your "
-                             f"shards_of says {got}. Each chunk in .metadata's "
-                             f"state_dict_metadata[key].chunks is one piece; storage_data says "
-                             f"in which file it lies")
+        ranks = run_world(WORLD, _rank_16, (folder,), path)  # the check's own ranks save it
+        answers = answer(path, _pieces, folder, list(ranks[0]))  # the learner's code reads it
+    for key in ranks[0]:
+        want = sorted((r[key] for r in ranks if all(r[key][2])), key=lambda p: p[1])
+        got = [tuple(piece) for piece in answers[key]]
+        if got != want:
+            raise NotYet(f"{WORLD} ranks saved {key} in {len(want)} pieces {want}; your "
+                         f"shards_of says {got}. Each chunk in .metadata's "
+                         f"state_dict_metadata[key].chunks is one piece; storage_data says "
+                         f"in which file it lies")
     return (f"on {WORLD} ranks every tensor's pieces are where you said: e.g. {key} in "
             f"{', '.join(f'{f} rows {o[0]}-{o[0] + s[0] - 1}' for f, o, s in want)}")

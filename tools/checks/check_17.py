@@ -14,9 +14,26 @@ STARTER = "exercises/17_conjugate_functions.py"
 WIDTH, HIDDEN = 8, 16
 
 
-def _rank_17(rank: int, world: int, path: str) -> dict:
+def _whole():
+    """The whole MLP and its input (the same on every rank, one seed)."""
     import torch
-    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    fc_w, fc_b = torch.randn(HIDDEN, WIDTH, generator=g), torch.randn(HIDDEN, generator=g)
+    proj_w, proj_b = torch.randn(WIDTH, HIDDEN, generator=g), torch.randn(WIDTH, generator=g)
+    x = torch.randn(3, 5, WIDTH, generator=g)
+    return x, fc_w, fc_b, proj_w, proj_b
+
+
+def _rows(rank: int, world: int) -> slice:
+    return slice(rank * HIDDEN // world, (rank + 1) * HIDDEN // world)
+
+
+def _rank_17(rank: int, world: int, path: str) -> dict:
+    """In the answer's ranks: the learner's split MLP on this rank's rows of fc and columns of
+    proj; its output and gradients, and the collectives counted (the check computes the
+    whole MLP itself)."""
+    import torch
 
     from apparatus.comm import CommLog
     from check_exercise import load
@@ -26,35 +43,47 @@ def _rank_17(rank: int, world: int, path: str) -> dict:
             return module.parallel_mlp(*args)
 
     module = load(Path(path))
-    g = torch.Generator().manual_seed(0)  # the same whole MLP and input on every rank
-    fc_w, fc_b = torch.randn(HIDDEN, WIDTH, generator=g), torch.randn(HIDDEN, generator=g)
-    proj_w, proj_b = torch.randn(WIDTH, HIDDEN, generator=g), torch.randn(WIDTH, generator=g)
-    x = torch.randn(3, 5, WIDTH, generator=g)
-    whole = [t.clone().requires_grad_() for t in (x, fc_w, fc_b, proj_w, proj_b)]
-    out = F.linear(F.gelu(F.linear(whole[0], whole[1], whole[2])), whole[3], whole[4])
-    out.pow(2).sum().backward()
-    rows = slice(rank * HIDDEN // world, (rank + 1) * HIDDEN // world)
+    x, fc_w, fc_b, proj_w, proj_b = _whole()
+    rows = _rows(rank, world)
     mine = [t.clone().requires_grad_() for t in (x, fc_w[rows], fc_b[rows], proj_w[:, rows], proj_b)]
     log = CommLog()
     with log.recording():
         ours = Split()(*mine)
         ours.pow(2).sum().backward()
+    return {"out": ours.detach(), "grads": [t.grad for t in mine],
+            "calls": [(c.phase, c.kind) for c in log.calls]}
+
+
+def _on_ranks(module, world: int) -> list:
+    """In the answer's process: _rank_17 on `world` ranks."""
+    from check_exercise import run_world
+
+    return run_world(world, _rank_17, (module.__file__,), Path(module.__file__))
+
+
+def _compared(rank: int, world: int, got: dict) -> dict:
+    """How far (relative) the rank's output and gradients are from one process's whole MLP."""
+    import torch.nn.functional as F
+
+    whole = [t.clone().requires_grad_() for t in _whole()]
+    out = F.linear(F.gelu(F.linear(whole[0], whole[1], whole[2])), whole[3], whole[4])
+    out.pow(2).sum().backward()
+    rows = _rows(rank, world)
     truth = [whole[0].grad, whole[1].grad[rows], whole[2].grad[rows], whole[3].grad[:, rows], whole[4].grad]
     names = ["x", "fc_weight", "fc_bias", "proj_weight", "proj_bias"]
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731  (relative)
-    return {"out": rel(ours.detach(), out.detach()),
-            "grads": {n: rel(a.grad, b) if a.grad is not None else float("inf")
-                      for n, a, b in zip(names, mine, truth)},
-            "calls": [(c.phase, c.kind) for c in log.calls]}
+    return {"out": rel(got["out"], out.detach()),
+            "grads": {n: rel(a, b) if a is not None else float("inf")
+                      for n, a, b in zip(names, got["grads"], truth, strict=True)}}
 
 
 def check(path: Path) -> str:
     """Output and every gradient as one process; one all-reduce each way."""
-    from check_exercise import NotYet, load, run_world
+    from check_exercise import WORLD_TIMEOUT_S, NotYet, answer
 
-    load(path)  # a file that does not import fails here, before any rank starts
     for world in (2, 4):
-        ranks = run_world(world, _rank_17, (str(path),), path)
+        got = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
+        ranks = [_compared(rank, world, r) for rank, r in enumerate(got)]  # here, not in the ranks
         setup = f"with the MLP split over {world} ranks"
         out = max(r["out"] for r in ranks)
         if out > 1e-5:
@@ -76,7 +105,7 @@ def check(path: Path) -> str:
             raise NotYet(f"{setup}, the gradients of {', '.join(bad)} are off (by up to "
                          f"{max(worst[n] for n in bad):.1e}, relative): does a function sum in a direction "
                          f"where it should pass the gradient through unchanged?")
-        calls = ranks[0]["calls"]
+        calls = [tuple(c) for c in got[0]["calls"]]
         expected = [("forward", "all_reduce"), ("backward", "all_reduce")]
         if sorted(calls) != sorted(expected):
             raise NotYet(f"{setup}, the numbers are right, but rank 0 made these collectives: "

@@ -28,24 +28,36 @@ def _rank_19(rank: int, world: int) -> dict:
     return out
 
 
-def check(path: Path) -> str:
-    """Each rank's dp and tp groups on 2x2, 1x4 and 4x1 meshes, as torch's DeviceMesh makes them."""
-    from check_exercise import NotYet, load, run_world
+def _answers(module) -> dict:
+    """In the answer's process: groups(rank, D, T) for every shape and rank, as lists of ints."""
+    from check_exercise import NotYet
 
-    module = load(path)
     if not hasattr(module, "groups"):
-        raise NotYet(f"{path} has no function groups(rank, dp, tp)")
-    truth = run_world(WORLD, _rank_19, (), path)
+        raise NotYet(f"{module.__file__} has no function groups(rank, dp, tp)")
+    out = {}
     for shape in SHAPES:
         for rank in range(WORLD):
             try:
                 answer = module.groups(rank, *shape)
+                out[(*shape, rank)] = [[int(r) for r in group] for group in answer]
             except Exception as exc:  # noqa: BLE001 - the learner's error, in one line
                 raise NotYet(f"groups({rank}, {shape[0]}, {shape[1]}) raised {type(exc).__name__}: {exc}")
+    return out
+
+
+def check(path: Path) -> str:
+    """Each rank's dp and tp groups on 2x2, 1x4 and 4x1 meshes, as torch's DeviceMesh makes them."""
+    from check_exercise import NotYet, answer, run_world
+
+    answers = answer(path, _answers)
+    truth = run_world(WORLD, _rank_19, (), path)  # torch's DeviceMesh, in the check's own ranks
+    for shape in SHAPES:
+        for rank in range(WORLD):
+            answer_ = answers[(*shape, rank)]
             want = truth[rank][shape]
-            if tuple(map(list, answer)) != tuple(map(list, want)):
+            if tuple(map(list, answer_)) != tuple(map(list, want)):
                 raise NotYet(f"on a {shape[0]} x {shape[1]} (dp x tp) mesh rank {rank}'s groups are "
                              f"dp {want[0]} and tp {want[1]}, but groups({rank}, {shape[0]}, {shape[1]}) "
-                             f"answered {answer}. Which index varies fastest? (lesson 19, Step 3)")
+                             f"answered {tuple(answer_)}. Which index varies fastest? (lesson 19, Step 3)")
     return (f"every rank's dp and tp groups match torch's DeviceMesh on {WORLD} ranks for "
             f"{', '.join(f'{d}x{t}' for d, t in SHAPES)}: a tp group is a row of neighbours")

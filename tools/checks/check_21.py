@@ -14,55 +14,97 @@ from pathlib import Path
 STARTER = "exercises/21_online_softmax.py"
 
 
-def _parts(q, k, v, cuts):
-    """[(out, lse) of q over each block of keys and values between the cuts], (out, lse) over all."""
-    def attend(kk, vv):
-        s = q @ kk.transpose(-2, -1)
-        lse = s.logsumexp(-1, keepdim=True)
-        return (s - lse).exp() @ vv, lse
+CASES = ((1.0, [6]), (1.0, [3, 4, 11]), (100.0, [6]), (100.0, [3, 4, 11]))  # (score scale, cuts)
 
-    edges = [0, *cuts, k.shape[-2]]
-    blocks = [attend(k[..., a:b, :], v[..., a:b, :]) for a, b in zip(edges, edges[1:])]
-    return blocks, attend(k, v)
+
+def _qkv():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(2, 3, n, 8, generator=g) for n in (5, 16, 16))  # 5 queries, 16 keys
+
+
+def _attend(q, k, v):
+    s = q @ k.transpose(-2, -1)
+    lse = s.logsumexp(-1, keepdim=True)
+    return (s - lse).exp() @ v, lse
+
+
+def _merged(module) -> list:
+    """In the answer's process: the learner's merge over each case's blocks of keys, from the
+    ring's start (out = 0, lse = -inf). Attention over all the keys is computed by the check."""
+    import torch
+
+    from check_exercise import NotYet
+
+    merge = module.merge
+    q, k, v = _qkv()
+    out_all = []
+    for scale, cuts in CASES:
+        edges = [0, *cuts, k.shape[-2]]
+        blocks = [_attend(q * scale, k[..., a:b, :], v[..., a:b, :]) for a, b in zip(edges, edges[1:])]
+        out = torch.zeros_like(blocks[0][0])
+        lse = torch.full_like(blocks[0][1], float("-inf"))  # the ring's start
+        try:
+            for out_b, lse_b in blocks:
+                out, lse = merge(out, lse, out_b, lse_b)
+        except Exception as exc:
+            raise NotYet(f"merge raised {type(exc).__name__}: {exc}") from None
+        if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor):
+            raise NotYet("merge must return (out, lse), two tensors shaped as the ones it was given")
+        out_all.append((out.detach().clone(), lse.detach().clone()))
+    return out_all
 
 
 def _rank_21(rank: int, world: int, path: str) -> dict:
+    """In the answer's ranks: lesson 21's ring with the learner's merge, both layouts; each
+    rank's output gathered back into place (the check computes SDPA on the whole sequence)."""
     from check_exercise import load
 
     import ring_attention
     import ring_measure
     from common import transformer as T
 
-    class Quiet:
-        def print(self, *args, **kwargs):
-            pass
-
     ring_attention.merge = load(Path(path)).merge  # the ring calls merge() for every tile
-    rings = {layout: ring_attention.Ring(layout, rank, world, T.SEQ) for layout in ("contiguous", "balanced")}
-    return ring_measure.check_against_sdpa(rings, 0, "cpu", Quiet())["attention_diffs"]
+    q, k, v = _ring_inputs()
+    out = {}
+    for layout in ("contiguous", "balanced"):
+        ring = ring_attention.Ring(layout, rank, world, T.SEQ)
+        mine = [t[:, :, ring.mine] for t in (q, k, v)]
+        out[layout] = ring_measure.gather(ring_attention.RingAttention.apply(*mine, ring).detach(), ring)
+    return out
+
+
+def _ring_inputs(batch: int = 4):
+    """The same random q, k, v on every rank (one seed), each (batch, heads, SEQ, HEAD_DIM)."""
+    import torch
+
+    from common import transformer as T
+
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(batch, T.N_HEADS, T.SEQ, T.HEAD_DIM, generator=g) for _ in range(3)]
+
+
+def _on_ranks(module, world: int) -> list:
+    """In the answer's process: _rank_21 on `world` ranks."""
+    from check_exercise import run_world
+
+    return run_world(world, _rank_21, (module.__file__,), Path(module.__file__))
 
 
 def check(path: Path) -> str:
     """Partial attentions merged as one softmax, stable for large scores; inside lesson 21's ring."""
-    from check_exercise import NotYet, load, run_world
-
     import torch
+    import torch.nn.functional as F
 
-    merge = load(path).merge
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (5, 16, 16))  # 5 queries, 16 keys
+    from check_exercise import WORLD_TIMEOUT_S, NotYet, answer
+
+    q, k, v = _qkv()
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
-    for scale, cuts in ((1.0, [6]), (1.0, [3, 4, 11]), (100.0, [6]), (100.0, [3, 4, 11])):
-        blocks, (whole, whole_lse) = _parts(q * scale, k, v, cuts)
+    for (scale, cuts), (out, lse) in zip(CASES, answer(path, _merged), strict=True):
+        whole, whole_lse = _attend(q * scale, k, v)  # softmax attention over all the keys, here
         top = (q * scale @ k.transpose(-2, -1)).abs().max().item()
-        out, lse = torch.zeros_like(whole), torch.full_like(whole_lse, float("-inf"))  # the ring's start
-        try:
-            for out_b, lse_b in blocks:
-                out, lse = merge(out, lse, out_b, lse_b)
-        except Exception as exc:
-            raise NotYet(f"merge raised {type(exc).__name__}: {exc}") from None
-        if not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor) or out.shape != whole.shape \
-                or lse.shape != whole_lse.shape:
+        if out.shape != whole.shape or lse.shape != whole_lse.shape:
             raise NotYet("merge must return (out, lse), two tensors shaped as the ones it was given")
         keys = f"{len(cuts) + 1} blocks of the 16 keys (sizes {', '.join(str(b - a) for a, b in zip([0, *cuts], [*cuts, 16]))})"
         if not (torch.isfinite(out).all() and torch.isfinite(lse).all()):
@@ -83,9 +125,10 @@ def check(path: Path) -> str:
             raise NotYet(f"merging {keys}, the output is right but the lse is "
                          f"{lse_off:.1e} (relative) away from log(sum(exp(scores))) over "
                          f"all the keys: the next block would be weighed wrongly")
+    expected = F.scaled_dot_product_attention(*_ring_inputs(), is_causal=True)  # one process
     for world in (2, 4):
-        ranks = run_world(world, _rank_21, (str(path),), path)
-        worst = max(d[0] for r in ranks for d in r.values())
+        ranks = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
+        worst = max((out - expected).abs().max().item() for r in ranks for out in r.values())
         if worst > 1e-5:
             raise NotYet(f"inside lesson 21's ring on {world} ranks, the attention output is {worst:.1e} "
                          f"away from F.scaled_dot_product_attention on the whole sequence")

@@ -28,6 +28,9 @@ def _rows(rank: int, world: int):
 
 
 def _rank_22(rank: int, world: int, path: str) -> dict:
+    """In the answer's ranks: the learner's dispatch of this rank's rows; what arrived, the
+    counts and the collectives come back (the rows each rank should get are worked out by the
+    check, from _rows, in its own process)."""
     import torch
 
     from apparatus.comm import CommLog
@@ -41,25 +44,40 @@ def _rank_22(rank: int, world: int, path: str) -> dict:
     if not (isinstance(got, tuple) and len(got) == 2):
         raise NotYet("dispatch must return two things: (received rows, recv_counts)")
     received, counts = got
+    return {"received": torch.as_tensor(received).detach().tolist(),
+            "counts": torch.as_tensor(counts).tolist(),
+            "calls": [(c.kind, c.data_bytes) for c in log.calls]}
+
+
+def _expected(rank: int, world: int) -> tuple[list, list]:
+    """(the rows rank `rank` must receive, its recv_counts): rank 0's rows for its two experts
+    first, then rank 1's ..., each in the order sent."""
+    import torch
+
     mine = (2 * rank, 2 * rank + 1)
     expected = torch.cat([r[(e == mine[0]) | (e == mine[1])] for r, e in (_rows(s, world) for s in range(world))])
-    want_counts = torch.tensor([int((_rows(s, world)[1] == j).sum()) for s in range(world) for j in mine])
-    return {"received": received.detach().tolist(), "expected": expected.tolist(),
-            "counts": counts.tolist(), "want_counts": want_counts.tolist(),
-            "calls": [(c.kind, c.data_bytes) for c in log.calls]}
+    counts = [int((_rows(s, world)[1] == j).sum()) for s in range(world) for j in mine]
+    return expected.tolist(), counts
+
+
+def _on_ranks(module, world: int) -> list:
+    """In the answer's process: _rank_22 on `world` ranks."""
+    from check_exercise import run_world
+
+    return run_world(world, _rank_22, (module.__file__,), Path(module.__file__))
 
 
 def check(path: Path) -> str:
     """Every row reaches the rank of its expert, in order, after the counts; two all-to-alls."""
-    from check_exercise import NotYet, load, run_world
+    from check_exercise import WORLD_TIMEOUT_S, NotYet, answer
 
-    load(path)  # a file that does not import fails here, before any rank starts
     for world in (2, 4):
-        ranks = run_world(world, _rank_22, (str(path),), path)
+        ranks = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
         setup = f"with {world} ranks and {2 * world} experts"
         for rank, r in enumerate(ranks):
+            expected, want_counts = _expected(rank, world)
             got = [tuple(int(v) for v in row) for row in r["received"]]
-            want = [tuple(int(v) for v in row) for row in r["expected"]]
+            want = [tuple(int(v) for v in row) for row in expected]
             if sorted(got) != sorted(want):
                 strangers = sorted({s for s, _, _ in want if s != rank})
                 if all(s == rank for s, _, _ in got) and strangers:
@@ -76,11 +94,11 @@ def check(path: Path) -> str:
                 raise NotYet(f"{setup}, rank {rank} received the right rows in the wrong order: rank 0's "
                              f"first, then rank 1's, ..., each in the order it was sent (the split "
                              f"sizes are in rank order too)")
-            if r["counts"] != r["want_counts"]:
+            if r["counts"] != want_counts:
                 raise NotYet(f"{setup}, rank {rank}'s recv_counts are {r['counts']}, expected "
-                             f"{r['want_counts']}: entry s * E/N + j counts the rows rank s sent to our "
+                             f"{want_counts}: entry s * E/N + j counts the rows rank s sent to our "
                              f"j-th expert, which is what the first all-to-all of the counts delivers")
-        calls = ranks[0]["calls"]
+        calls = [tuple(c) for c in ranks[0]["calls"]]
         kinds = [kind for kind, _ in calls]
         if kinds != ["all_to_all", "all_to_all"]:
             raise NotYet(f"{setup}, every row arrived, but rank 0 made these collectives: "

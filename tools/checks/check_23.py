@@ -31,20 +31,42 @@ def _measure(dp: int, tp: int) -> int:
     return _measured[dp, tp]
 
 
+def _shapes() -> dict:
+    import torch
+
+    import fake_cluster  # lessons/23_cluster_on_a_laptop/fake_cluster.py
+
+    with torch.device("meta"):
+        return {n: tuple(p.shape) for n, p in fake_cluster.make_model(fake_cluster.SIZES["tiny"]).named_parameters()}
+
+
+def _answers(module) -> list:
+    """In the answer's process: rank0_bytes for each mesh (lesson 23's measurement is the check's)."""
+    from check_exercise import NotYet
+
+    out = []
+    for dp, tp in MESHES:
+        try:
+            got = module.rank0_bytes(_shapes(), dp, tp)
+        except Exception as exc:  # noqa: BLE001 - the learner's error, in one line
+            raise NotYet(f"rank0_bytes(shapes, {dp}, {tp}) raised {type(exc).__name__}: {exc}")
+        out.append(got if isinstance(got, (int, float)) and not isinstance(got, bool) else repr(got))
+    return out
+
+
 def check(path: Path) -> str:
     """rank0_bytes(shapes, dp, tp) equals lesson 23's measurement on 2 x 2 and 256 x 4 meshes."""
     import torch
 
-    from check_exercise import NotYet, load
-    import fake_cluster  # lessons/23_cluster_on_a_laptop/fake_cluster.py
+    from check_exercise import NotYet, answer
 
-    module = load(path)
-    with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in fake_cluster.make_model(fake_cluster.SIZES["tiny"]).named_parameters()}
-    for dp, tp in MESHES:
-        got, want = module.rank0_bytes(dict(shapes), dp, tp), _measure(dp, tp)
+    shapes = _shapes()
+    for (dp, tp), got in zip(MESHES, answer(path, _answers), strict=True):
+        want = _measure(dp, tp)
         if got == want:
             continue
+        if not isinstance(got, (int, float)):
+            raise NotYet(f"rank0_bytes(shapes, {dp}, {tp}) returned {got}; return a number of bytes")
         even = round(4 * sum(torch.Size(s).numel() for s in shapes.values()) / (dp * tp))
         if (dp, tp) == MESHES[0]:
             raise NotYet(f"on a {dp} x {tp} mesh (dp x tp) you said {got:,} bytes, rank 0 holds {want:,}"

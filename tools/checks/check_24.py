@@ -42,7 +42,7 @@ def _rank_24(rank: int, world: int, path: str) -> dict:
     from apparatus.comm import CommLog
     from check_exercise import load
 
-    module = load(Path(path))
+    module = load(Path(path))  # in the answer's ranks: what they return is compared in check()
     model = _model()
     outer = [p.detach().clone() for p in model.parameters()]
     optimizer, log, rounds = _optimizer(outer), CommLog(), []
@@ -77,15 +77,25 @@ def _expected(world: int, how: str, rank: int = 0) -> list:
     return out
 
 
+def _on_ranks(module, world: int) -> list:
+    """In the answer's process: _rank_24 on `world` ranks."""
+    from check_exercise import run_world
+
+    return run_world(world, _rank_24, (module.__file__,), Path(module.__file__))
+
+
 def check(path: Path) -> str:
     """The pseudo-gradients averaged over every rank, then one Nesterov step, on every replica."""
     import torch
 
-    from check_exercise import NotYet, load, run_world
+    from check_exercise import WORLD_TIMEOUT_S, NotYet, answer
 
-    load(path)  # a file that does not import fails here, before any rank starts
     for world in (2, 3):
-        ranks = run_world(world, _rank_24, (str(path),), path)
+        # the learner's outer_step runs in the answer's ranks; the formula is computed here
+        ranks = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
+        if not (isinstance(ranks, list) and len(ranks) == world and all(
+                isinstance(r, dict) and len(r.get("rounds", ())) == ROUNDS for r in ranks)):
+            raise NotYet(f"with {world} ranks, the ranks did not return their {ROUNDS} rounds")
         setup = f"with {world} ranks"
         n_params = len(ranks[0]["rounds"][0]["outer"])
         for rnd in range(ROUNDS):
