@@ -195,7 +195,9 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         max_abs_diff_per_step=[max(r["diff"] for r in rows if r["step"] == s) for s in range(1, args.record_steps + 1)],
         entries_per_step=len(rows) // args.record_steps, weights_gap={str(s): d for s, (d, _) in gaps.items()},
         weights_gap_to_float64_twin={str(s): t for s, (_, t) in gaps.items()},
-        losses_one_process=losses["one process"]))
+        losses_one_process=losses["one process"], entries=[  # every comparison, in order (the pictures)
+            [r["step"], r["pass"], r["name"], parity_oracle.number(r["diff"]), r["floor"], parity_oracle.number(r["ratio"])]
+            for r in rows]))
     ui.print(f"wrote {shown(folder / 'reference.pt')}, {shown(folder / 'parallel.pt')} (the recordings), "
              f"{shown(folder / 'final.pt')} and {shown(folder / 'metrics.json')}")
     ui.print(f"compare them yourself: .venv/bin/python tools/parity.py {shown(folder / 'reference.pt')} "

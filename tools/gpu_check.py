@@ -120,6 +120,9 @@ SPECS = {
     "22": Spec("ranks", ("--steps", "30"), EXPERT_SIZES, estimate=(18, 12)),
     "23": Spec("cpu", weights=False, estimate=(20, 0)),
     "24": Spec("ranks", ("--steps", "32"), PART2_SIZES, estimate=(18, 12)),  # a multiple of H = 8
+    # Part 4: lesson 26's default layout is ddp (its sizes are Part 2's); its final.pt is the
+    # layout's float32 weights, trained beside float64 twins (about 3x a Part 2 lesson's work)
+    "26": Spec("ranks", ("--steps", "30"), PART2_SIZES, estimate=(25, 20)),
 }
 CORE_FLAGS = {"--device", "--out", "--world-size", "--steps", "--epochs"}  # every lesson keeps these
 
