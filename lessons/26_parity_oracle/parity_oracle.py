@@ -276,7 +276,8 @@ def verdict_line(rows: list[dict], limit: float = LIMIT) -> str:
     first = first_divergence(rows, limit)
     if first is None:
         worst = max(rows, key=lambda row: row["ratio"])
-        return (f"within rounding everywhere: {len(rows)} entries in {len(by_step(rows))} steps, "
+        steps = len(by_step(rows))
+        return (f"within rounding everywhere: {len(rows)} entries in {steps} step{'s' if steps > 1 else ''}, "
                 f"the largest ratio {times(worst['ratio'])} ({where(worst)})")
     how = f" ({first['note']})" if first["note"] else (
         f": |difference| {first['diff']:.1e} is {times(first['ratio'])} its floor {first['floor']:.1e}; "
