@@ -95,7 +95,7 @@ lesson-%:
 	$(if $(wildcard lessons/$(call PAD,$*)_*.py),,$(error error: there is no lesson '$*'; the lessons are: $(LESSON_NUMS) (e.g. make lesson-01)))
 	@f=$$(ls lessons/$(call PAD,$*)_*.py | head -n 1); \
 	{ [ -n "$(VENV_CURRENT)" ] || $(MAKE) --no-print-directory $(STAMP); } && \
-	$(PY) $(RUN_$(call PAD,$*)) $$f $(STEP_FLAG) $(ARGS)
+	LESSON_MAKE_PID=$$PPID exec $(PY) $(RUN_$(call PAD,$*)) $$f $(STEP_FLAG) $(ARGS)
 
 # FILE in single quotes (its own quotes escaped): a path with spaces or quotes is one argument
 check-%: $(STAMP)  ## check a learner's exercise: make check-05 [FILE=path]

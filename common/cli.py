@@ -106,7 +106,11 @@ def lesson_parser(doc: str | None, *, recipe: bool = True, distributed: bool = F
 
 
 def run(main) -> None:
-    """Run a lesson's main(); Ctrl-C ends it with one line instead of a traceback."""
+    """Run a lesson's main(); Ctrl-C ends it with one line instead of a traceback. Started
+    by make, it dies with make (common/processes.py: die_with_make)."""
+    from common.processes import die_with_make
+
+    die_with_make()
     try:
         main()
     except KeyboardInterrupt:

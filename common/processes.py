@@ -7,7 +7,8 @@ lessons call it through spawn.
   or RankFailed naming the first rank that failed (the others are stopped at once).
   With a terminal on stdin, rank 0 asks on it in step mode (share_terminal_with_children).
 * `die_with_parent`: call first thing in a rank; if its parent is killed, even with SIGKILL,
-  the kernel kills the rank too (Linux's parent-death signal).
+  the kernel kills the rank too (Linux's parent-death signal). `die_with_make`: the same for
+  a launcher that `make lesson-NN` started.
 * `supervise`: around starting ranks, Ctrl-C, SIGTERM and SIGHUP stop every rank *first*,
   then one line is printed and the job exits (130, 143, 129).
 """
@@ -72,6 +73,22 @@ def die_with_parent() -> None:
     # the job may have ended before prctl took effect: then we are an orphan already
     if os.getppid() == 1 or (expected and expected.isdigit() and mp.parent_process() is not None
                              and not _alive(int(expected))):
+        os._exit(1)
+
+
+MAKE_PID_ENV = "LESSON_MAKE_PID"  # set by the Makefile's lesson-% rule: make's own pid
+
+
+def die_with_make() -> None:
+    """Call first thing in a launcher (common.cli.run, tools/nodes.py). Started by `make
+    lesson-NN`, whose recipe execs the Python (so make is its parent): if make is killed, even
+    with SIGKILL, the kernel kills the launcher too, and its ranks die with it. The variable is
+    taken out of the environment: the ranks and agents have parents of their own."""
+    pid = os.environ.pop(MAKE_PID_ENV, None)
+    if not pid or not pid.isdigit():
+        return
+    set_parent_death_signal()
+    if os.getppid() != int(pid):  # make was killed while we started: it cannot signal us now
         os._exit(1)
 
 

@@ -315,6 +315,30 @@ def test_lesson_05_parent_killed_with_sigkill_takes_its_ranks(tmp_path, cleanup)
     assert not (tmp_path / "o" / "final.pt").exists()
 
 
+def test_make_killed_with_sigkill_takes_the_whole_job(tmp_path, cleanup):
+    """kill -9 of `make lesson-05` itself, the launcher the learner typed (issue 35): the job
+    trained on (6 processes after 5 s, results written 10-15 s later). The recipe execs the
+    Python, so make is its parent, and the lesson dies with make (die_with_make), its ranks
+    and fork server with it: within seconds nothing of the job is left, nothing is written."""
+    out = tmp_path / "o"
+    job = Job(["make", "--no-print-directory", "lesson-05", f"ARGS=--epochs 400 --out {out}"],
+              tmp_path, "make", forked=False)  # make is no Python: a new process, its own session
+    cleanup.append(job)
+    job.wait_for("Step 6: Train", timeout=120)
+    every = session_pids(job.proc.pid)
+    assert len(table_pids(job.stdout()) & every) == 2 and len(every) >= 4, every  # make, lesson, 2 ranks
+    before = sorted(p.name for p in out.iterdir())
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.wait(10)
+    left = gone_within(every - {job.proc.pid}, 5)
+    described_left = [cmdline(p) for p in left]
+    for pid in left:  # (a failure leaves nothing running either)
+        os.kill(pid, signal.SIGKILL)
+    assert not left, described_left
+    time.sleep(2)  # anything still writing would have written by now
+    assert sorted(p.name for p in out.iterdir()) == before and not (out / "final.pt").exists()
+
+
 def test_a_killed_job_takes_its_ranks_at_once_and_leaves_no_temporary_file(cleanup):
     """SIGKILL of a lesson whose ranks came from the fork server (common/processes.py): the
     ranks go at once, and $TMPDIR is left as it was. The server, left alone, used to tear torch

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.cli import LessonParser, fail, nonnegative_int, port_number, positive_float, positive_int  # noqa: E402
 from common.distributed import LOOPBACK, host_store  # noqa: E402
-from common.processes import (restore_terminal, set_parent_death_signal,  # noqa: E402
+from common.processes import (die_with_make, restore_terminal, set_parent_death_signal,  # noqa: E402
                                  signal_name, stop_signals)
 from apparatus.results import LOCK_ENV, claim_out, out_dir  # noqa: E402
 
@@ -287,6 +287,7 @@ def agent_client_env(port: int) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    die_with_make()  # make lesson-06 / lesson-07: killed with make, the agents with us
     args, script = parse_args(argv)
     nodes = args.only_node if args.only_node is not None else list(range(args.max_nodes if args.elastic else args.min_nodes))
     # the job's folder is ours alone (a second job on it stops here), and holds our logs
