@@ -35,7 +35,11 @@ _held: dict[str, int] = {}  # folder -> fd of the lock this process holds (until
 
 
 def out_dir(lesson: str, out: Path | None) -> Path:
-    """--out if given, else runs/lesson-NN under the repository (wherever you run from)."""
+    """--out if given, else runs/lesson-NN under the repository (wherever you run from).
+    `--out ""` (which Path reads as ".") is refused: the run's files among your own."""
+    if out is not None and Path(out) == Path("."):
+        fail('--out is empty (or "."): the run\'s final.pt, metrics.json and lock would land among '
+             'the files of the current folder; pass a folder of its own, e.g. --out runs/my-try')
     return Path(out) if out is not None else ROOT / "runs" / f"lesson-{lesson}"
 
 
@@ -59,6 +63,12 @@ def check_out(folder: Path) -> Path:
         fail(f"{what} cannot be created ({exc.strerror}); pass a folder you can write to")
     if not os.access(folder, os.W_OK | os.X_OK):
         fail(f"{what} is not writable; pass a folder you can write to")
+    try:  # a full disk still takes an empty file (and root ignores permissions): write data now
+        with tempfile.TemporaryFile(dir=folder) as probe:
+            probe.write(bytes(1 << 16))
+            probe.flush()
+    except OSError as exc:
+        fail(f"{what} cannot be written ({exc.strerror}); free some space or pass another --out")
     return folder
 
 
@@ -129,28 +139,61 @@ def remove_strays(folder: Path, name: str, older_than_s: float = 0.0) -> list[Pa
     return gone
 
 
+class _Recorded:
+    """A file's write and flush that remember the OSError they raised: torch.save turns a full
+    disk into a C++ message (RuntimeError "[enforce fail at inline_container.cc:672] ...
+    unexpected pos", torch 2.14.1), which names neither the disk nor the reason."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self):
+        try:
+            return self.f.flush()
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
 def atomic_write(path: Path, write) -> None:
     """Call write(file_object) on a temporary file, then rename it over `path`.
 
     The file gets the usual mode (0644 with the usual umask), not mkstemp's 0600. A full
-    disk or another OS error is one clear line, not a traceback.
+    disk or another OS error is one clear line, not a traceback, also when torch.save
+    reported it as a RuntimeError.
     """
+    os.replace(_written_beside(path, write), path)  # atomic: the old file or the new one, never half
+
+
+def _written_beside(path: Path, write) -> str:
+    """write(file_object) into a temporary file beside `path`, on disk: its name. On any
+    error it is removed, and a full disk (or no permission) is one line (exit code 1)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    recorded = None
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            recorded = _Recorded(f)
+            write(recorded)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half
+        return tmp
     except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
-                                                      errno.EACCES, errno.EIO):
-            fail(f"could not write {path} ({exc.strerror}); free some space or pass another "
+        cause = exc if isinstance(exc, OSError) else getattr(recorded, "error", None)
+        if isinstance(exc, Exception) and isinstance(cause, OSError) and cause.errno in (
+                errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO, errno.EFBIG):
+            fail(f"could not write {shown(path)} ({cause.strerror}); free some space or pass another "
                  f"--out (nothing was left half-written)", code=1)
         raise
 
@@ -171,14 +214,20 @@ def sha256(path: Path) -> str:
 
 def save_results(folder: Path, state_dict: dict[str, torch.Tensor], metrics: dict) -> None:
     """final.pt, then metrics.json naming final.pt's sha256: a pair from one run, or a
-    detectable mismatch if a kill fell between the two renames."""
+    detectable mismatch if a kill fell between the two renames. Both are written in full
+    before either is renamed: a full disk leaves the earlier pair as it was."""
     folder = Path(folder)
     for name in ("final.pt", "metrics.json"):
         remove_strays(folder, name)
-    atomic_write(folder / "final.pt", lambda f: torch.save(state_dict, f))
-    metrics = {**metrics, "final_pt_sha256": sha256(folder / "final.pt")}
-    text = json.dumps(metrics, indent=2) + "\n"
-    atomic_write(folder / "metrics.json", lambda f: f.write(text.encode()))
+    weights = _written_beside(folder / "final.pt", lambda f: torch.save(state_dict, f))
+    try:
+        text = json.dumps({**metrics, "final_pt_sha256": sha256(weights)}, indent=2) + "\n"
+        numbers = _written_beside(folder / "metrics.json", lambda f: f.write(text.encode()))
+    except BaseException:
+        os.unlink(weights)
+        raise
+    os.replace(weights, folder / "final.pt")
+    os.replace(numbers, folder / "metrics.json")
 
 
 def matching_pair(folder: Path) -> bool:

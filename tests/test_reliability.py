@@ -527,6 +527,54 @@ def test_a_full_disk_is_one_line(tmp_path, capsys):
     assert not list(tmp_path.iterdir())  # no temporary file left
 
 
+def test_an_empty_out_is_refused_before_anything_is_written(tmp_path):
+    """`--out ""` wrote final.pt, metrics.json and .lock into the current folder (lesson 24):
+    every lesson's out_dir refuses it (and "."), in one line, before anything is written."""
+    proc = subprocess.run([PY, ROOT / "lessons" / "24_local_sgd_diloco.py", "--out", ""], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=ENV, stdin=subprocess.DEVNULL)
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and '--out is empty (or ".")' in line and "Step 1" not in proc.stdout, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def _with_file_size_limit(tmp_path: Path, limit: int, code: str) -> Path:
+    """A script that runs `code` under RLIMIT_FSIZE: a write past `limit` bytes fails as on a
+    full disk (EFBIG, "File too large"), for root or not, with no file system to fill."""
+    script = tmp_path / "limited.py"
+    script.write_text(f"import resource, runpy, sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                      f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n{code}\n")
+    return script
+
+
+def test_a_full_disk_in_torch_save_is_one_line_and_keeps_the_earlier_results(tmp_path):
+    """torch.save on a full disk raised a C++ RuntimeError ("[enforce fail at
+    inline_container.cc:672] . unexpected pos"), a traceback in lesson 13: now one line, and
+    the earlier final.pt and metrics.json as they were (both files are written before either
+    is renamed)."""
+    from apparatus.results import matching_pair, save_results
+    folder = tmp_path / "o"
+    save_results(folder, {"w": torch.ones(3)}, {"lesson": "13"})  # an earlier run's pair
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    script = _with_file_size_limit(tmp_path, 1 << 16, "import torch\nfrom apparatus.results import save_results\n"
+                                   f"save_results({str(folder)!r}, {{'w': torch.zeros(1 << 18)}}, {{'lesson': '13'}})")
+    proc = run([PY, script], check=False, timeout=120)
+    line = one_error_line(proc)
+    assert proc.returncode == 1 and "could not write" in line and "(File too large)" in line, line
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before and matching_pair(folder)
+
+
+def test_an_out_on_a_full_disk_is_refused_before_training(tmp_path):
+    """A full --out failed only at the save, after training (lessons 21, 22): claim_out now
+    writes 64 KiB there first (a full disk still takes an empty file)."""
+    out = tmp_path / "o"
+    script = _with_file_size_limit(tmp_path, 1 << 12, f"sys.argv = ['22', '--out', {str(out)!r}]\n"
+                                   f"runpy.run_path({str(ROOT / 'lessons' / '22_expert_parallel.py')!r}, run_name='__main__')")
+    proc = run([PY, script], check=False, timeout=120)
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and f"--out {out} cannot be written (File too large)" in line, line
+    assert "Step 2" not in proc.stdout and not (out / "final.pt").exists()
+
+
 def test_bad_snapshot_fields_are_refused(tmp_path):
     from common import recipe
     from apparatus.state_dicts import snapshot_problem
