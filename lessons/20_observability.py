@@ -63,6 +63,12 @@ def parse_args():
     recipe.check_world_size(n, f"--world-size {n}", most=MAX_WORLD)
     if args.skip_rank is not None and not 0 < args.skip_rank < n:
         fail(f"--skip-rank {args.skip_rank}: choose a rank from 1 to {n - 1} (rank 0 writes the results)")
+    if args.skip_rank is not None:  # a step past the end would skip nothing ("nobody is missing")
+        steps = args.epochs * len(recipe.load_data(args.dataset, args.data_dir, args.download).train) \
+            // recipe.GLOBAL_BATCH
+        if args.skip_at_step >= steps:
+            fail(f"--skip-at-step {args.skip_at_step}: this run has steps 0 to {steps - 1} "
+                 f"({steps // args.epochs} per epoch); choose one of them")
     return args
 
 

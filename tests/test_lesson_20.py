@@ -166,7 +166,12 @@ def test_on_gpus_one_group_serves_nccl_and_the_monitored_barrier(tmp_path):
 
 @pytest.mark.parametrize("flags, expect", [(["--skip-rank", "0"], "from 1 to 1"),
                                            (["--skip-rank", "2"], "from 1 to 1"),
-                                           (["--world-size", "5"], "cannot split the global batch")])
+                                           (["--world-size", "5"], "cannot split the global batch"),
+                                           # issue 35: a step past the end skipped nothing ("nobody is missing")
+                                           (["--skip-rank", "1", "--skip-at-step", "1000000"],
+                                            "--skip-at-step 1000000: this run has steps 0 to 95"),
+                                           (["--skip-rank", "1", "--epochs", "1", "--skip-at-step", "32"],
+                                            "steps 0 to 31 (32 per epoch)")])
 def test_bad_flags_are_one_clear_line(flags, expect, monkeypatch, capsys):
     line = parse_error(import_lesson("20"), flags, monkeypatch, capsys)
     assert expect in line
