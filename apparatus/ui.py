@@ -43,6 +43,7 @@ class UI:
         inherited = os.environ.get(UNPAUSED_ENV, "") if step_mode else ""
         self._unpaused: list[int] = [int(n) for n in inherited.split(",") if n.isdigit()]
         self._was_in_group = False  # a process group existed at an earlier step
+        self._last_signal: _Signal | None = None  # after teardown: its store, to see who left
         self._steps = doc_steps(sys.argv[0]) if step_mode else {}
         if step_mode and rank == 0 and step_terminal() is None:
             self.print("[dim]--step: stdin is not a terminal, so the steps will not pause[/dim]")
@@ -100,6 +101,7 @@ class UI:
         if together:
             signal = _Signal(dist.distributed_c10d._get_default_store(),  # private: the only handle
                              dist.get_rank(), dist.get_world_size())
+            self._last_signal = signal
         elif self.world_size > 1 and not self._was_in_group:
             store = _launcher_store()
             if store is None:
@@ -123,6 +125,10 @@ class UI:
                 sys.stdout.flush()
             if signal:
                 signal.send(answer)
+            elif answer == "quit" and self._last_signal is not None:
+                # After teardown: this process may host the store the others still use
+                # while they leave their group; quit once they have ended.
+                self._last_signal.wait_for_others(lambda r: False)
         else:
             answer = signal.receive()
         self._unpaused = []
@@ -322,22 +328,24 @@ class _Signal:
         self.store.set(self.key, f"wait {self.beats}")
 
     def send(self, answer: str) -> None:
+        """Rank 0: the answer, then wait until every other rank has read it. Rank 0 may host
+        the store, and leave the group right after this pause (lesson 11's Step 3) or exit
+        (q): a rank still polling would find the store gone instead of the answer."""
         self.store.set(self.key, answer)
-        if answer == "quit":
-            # Rank 0 may host the store: before it exits, every other rank must have read
-            # "quit", or they would find the store gone instead of the answer. Except a rank
-            # that has left: lesson 16's other ranks end after Step 8 while rank 0 goes on in
-            # its group. (A rank that never answers has died: the launcher reports that; we
-            # quit all the same after the store's timeout.)
-            waiting = set(range(1, self.world_size))
-            deadline = time.monotonic() + max(self.store.timeout.total_seconds(), 3.0)
-            try:
-                while waiting and time.monotonic() < deadline:
-                    waiting = {r for r in waiting if not self.store.check([f"{self.key}/quit_seen/{r}"])
-                               and not self._has_left(r)}
-                    time.sleep(0.05)
-            except Exception:
-                pass
+        self.wait_for_others(lambda r: self.store.check([f"{self.key}/seen/{r}"]))
+
+    def wait_for_others(self, done) -> None:
+        """Until done(rank) or its process has ended, for every other rank (lesson 16's end
+        after Step 8 while rank 0 goes on in the group). A rank that never gets there has
+        died: the launcher reports that; we go on all the same after the store's timeout."""
+        waiting = set(range(1, self.world_size))
+        deadline = time.monotonic() + max(self.store.timeout.total_seconds(), 3.0)
+        try:
+            while waiting and time.monotonic() < deadline:
+                waiting = {r for r in waiting if not done(r) and not self._has_left(r)}
+                time.sleep(0.02)
+        except Exception:  # the store went away: nobody is left to wait for
+            pass
 
     def _has_left(self, rank: int) -> bool:
         """The rank's process has ended (it says where it runs as it waits at a pause; a rank
@@ -359,9 +367,8 @@ class _Signal:
         self.store.set(f"lesson_step/where/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         while True:
             value = self.store.get(self.key).decode() if self.store.check([self.key]) else None
-            if value == "quit":
-                self.store.set(f"{self.key}/quit_seen/{self.rank}", "1")
             if value in ("go", "quit"):
+                self.store.set(f"{self.key}/seen/{self.rank}", "1")
                 return value
             if value != last:
                 last, since = value, time.monotonic()
