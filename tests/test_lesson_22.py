@@ -9,6 +9,7 @@ k > 1). The hand-written differentiable all-to-all is checked against torch's ow
 are refused before any rank starts."""
 import argparse
 import re
+import sys
 
 import pytest
 import torch
@@ -270,6 +271,14 @@ def test_bad_flags_are_one_line_before_any_rank_starts(monkeypatch, capsys):
     assert "--top-k 5 is more than the 4 experts" in parse_error(lesson, ["--top-k", "5"], monkeypatch, capsys)
     for bad in ("0", "-1", "nan"):
         assert "--capacity-factor" in parse_error(lesson, ["--capacity-factor", bad], monkeypatch, capsys)
+    # issue 35: --experts 100000000 passed the checks and died allocating 25.6 GB
+    line = parse_error(lesson, ["--experts", "100000000"], monkeypatch, capsys)
+    assert "--experts 100000000 would need 197,601.3 GiB in one process" in line and "up to 1,012" in line, line
+    most = int(line.split("up to ")[1].split(" ")[0].replace(",", ""))
+    for fine in ("8", str(most - most % 2)):  # the suggestion, and the largest even count, pass
+        monkeypatch.setattr(sys, "argv", ["22", "--experts", fine])
+        assert lesson.parse_args().experts == int(fine)
+    parse_error(lesson, ["--experts", str(most + 1), "--world-size", "1"], monkeypatch, capsys)
 
 
 def test_make_refuses_a_world_size_that_does_not_divide_the_experts(tmp_path):

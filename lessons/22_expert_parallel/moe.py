@@ -292,9 +292,22 @@ def add_flags(parser) -> None:
                              "(docs/22_expert_parallel.md, Going further)")
 
 
+EXPERTS_MEMORY = 2 << 30  # bytes: what --experts may ask of a laptop in Step 1's one process
+
+
 def check_flags(args):
     """One line and exit 2, before any process starts: k at most E, and the world size splits
     the batch's rows and the experts evenly (Part 2's one rule, common/transformer.py)."""
+    # Step 1 trains every expert in one process: each expert's weights (T.MLP and its router
+    # column), their gradients and AdamW's two states, in --dtype, in every block. Bounded
+    # here, not by the allocator (--experts 100000000 died asking for 25.6 GB).
+    itemsize = 8 if args.dtype == "float64" else 4
+    per_expert = T.N_BLOCKS * (2 * T.DIM * T.MLP_DIM + T.MLP_DIM + T.DIM + T.DIM) * 4 * itemsize
+    most = EXPERTS_MEMORY // per_expert
+    if args.experts > most:
+        fail(f"--experts {args.experts} would need {args.experts * per_expert / 2**30:,.1f} GiB in "
+             f"one process (Step 1 trains every expert there: weights, gradients and AdamW's state, "
+             f"{args.dtype}); this lesson takes up to {most:,} ({EXPERTS_MEMORY / 2**30:g} GiB), e.g. --experts 8")
     if args.top_k > args.experts:
         fail(f"--top-k {args.top_k} is more than the {args.experts} experts: a token picks k "
              f"different experts; use 1 to {args.experts}")
