@@ -169,8 +169,9 @@ def bytes_per_sample(log: CommLog, plan: diloco.Plan, ui, proofs: dict) -> dict:
              f"for {samples:,} samples: [bold]{total / samples:,.1f}[/bold] bytes per sample (formula, "
              f"N = {plan.world}: {expression} = {formula:,.1f})")
     ddp = proofs["ddp_adamw_bytes_sent_per_sample"]
+    share = f"this run sends {total / samples / ddp:.3f} of DDP's" if ddp else "one replica talks to nobody"
     ui.print(f"DDP (Step 6, measured): {ddp:,.1f} bytes per sample, every step; H = 1: "
-             f"{proofs['h1_adamw_bytes_sent_per_sample']:,.1f}; this run sends {total / samples / ddp:.3f} of DDP's")
+             f"{proofs['h1_adamw_bytes_sent_per_sample']:,.1f}; {share}")
     return {"bytes_sent_per_sample": total / samples, "bytes_sent_per_sample_formula": formula,
             "bytes_sent": total}
 
