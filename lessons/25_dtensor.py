@@ -53,7 +53,7 @@ S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()  # Partial(): each ran
 LAYOUTS = {"1-D": [(S0,), (S1,), (R,), (P,)], "2-D": [(S0, S1), (R, S1), (P, S0)]}
 MOVES = {"1-D": [((S0,), (R,)), ((P,), (R,)), ((P,), (S0,)), ((S0,), (S1,)), ((R,), (S0,)), ((S0,), (P,)), ((R,), (P,))],
          "2-D": [((S0, S1), (R, R)), ((P, P), (S0, S1)), ((S0, S1), (S1, S0))]}
-# Step 4: (what, the op, placements of its inputs); x is 8 x 16, w is 16 x 8
+# Step 4: (what, the op, placements of its inputs); x is 8 x 32, w is 32 x 16
 OPS = [("x @ w", lambda x, w: x @ w, (S0, R)),        # x's rows: the output's rows
        ("x @ w", lambda x, w: x @ w, (R, S1)),        # w's columns: lesson 17's column-parallel
        ("x @ w", lambda x, w: x @ w, (S1, S0)),       # the inner dimension split: row-parallel
@@ -105,7 +105,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     init_from_env(backend_for(device), args.timeout, device)  # lesson 05's init_process_group
     meshes = make_meshes(device.type, world)
     ui.print(f"device: [bold]{device}[/bold]; " + "; ".join(
-        f"{name} mesh {m.mesh.tolist()} (dims {m.mesh_dim_names})" for name, m in meshes.items()))
+        f"{name} mesh {m.mesh.tolist()} (dims {m.mesh_dim_names})" for name, m in meshes.items())
+        + ("" if "2-D" in meshes else "; no 2-D mesh (it needs 4 or 8 ranks)"))
     timer = Timer()
     real, report = program(meshes, device, args.seed, ui, local_ranks.GlooView(world))  # Steps 2-5
     real_seconds = timer.seconds
@@ -126,9 +127,10 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
                                               local_ranks.LocalView(world))
     dist.destroy_process_group()
     gap, compared, where = local_ranks.largest_gap(real, simulated)
-    ui.print(f"{compared} pieces ({world} ranks' every to_local() of Steps 2-5) in one process in "
-             f"{timer.seconds:.1f}s (the {world} gloo ranks: {real_seconds:.1f}s); "
-             f"max |LocalTensorMode - gloo| = [bold]{gap:.1e}[/bold] (at {where})")
+    ui.print(f"{compared} pieces (every to_local() of Steps 2-5, on each of {world} ranks) in one process in "
+             f"{timer.seconds:.1f}s (on the real ranks: {real_seconds:.1f}s); "
+             f"max |LocalTensorMode - real ranks| = [bold]{gap:.1e}[/bold]"
+             + (f" (largest at {where}: sums in another order)" if gap else " (every value equal)"))
     for ours, theirs in zip(report["redistributions"], simulated_report["redistributions"]):
         if ours["collective"] != theirs["collective"]:  # the all-to-all gloo does not run
             ui.print(f"{ours['from']} -> {ours['to']} ({len(ours['mesh'])}-D mesh): "
@@ -141,9 +143,10 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui.step(7, "Compare with one process, save the results")
     right, wrong = real.gap_to_one_process(), real.gap_to_one_process(mistakes=True)
     worst = max(right.values())
-    ui.print(f"{len(right)} results on {world} ranks against one process: max |full_tensor() - one process| = "
-             f"[bold]{worst:.1e}[/bold] ({'rounding: sums in another order' if worst else 'equal'}; allowed 1e-5)")
-    ui.print(f"Step 5's mistake (each rank clips its pieces): off by {max(wrong.values()):.4f}, as it must be")
+    ui.print(f"{len(right)} results against one process: max |full_tensor() - one process| = "
+             f"[bold]{worst:.1e}[/bold] ({'rounding: products and sums done in pieces, in another order' if worst else 'equal'}; allowed 1e-5)")
+    ui.print(f"Step 5's mistake (each rank clips its pieces): off by {max(wrong.values()):.4f}, "
+             + ("as it must be" if world > 1 else "none with one rank: its pieces are the whole gradients"))
     folder = out_dir("25", args.out)
     state = {f"full/{name}": t for name, t in real.full.items()}
     state |= {f"piece/{name}/{r}": t for name, ts in real.pieces.items() for r, t in enumerate(ts)}
@@ -168,20 +171,24 @@ def program(meshes: dict, device, seed: int, ui: UI, view) -> tuple:
     # distribute_tensor takes rank 0's X as the truth (src_data_rank=0) and sends it out.
     ui.step(2, "Distribute one tensor four ways, on a 1-D and a 2-D mesh")
     X = torch.arange(64.0, device=device).reshape(8, 8)  # the same on every rank
-    rows, report["layouts"] = [], {}
+    report["layouts"] = {}
     for name, mesh in meshes.items():
+        columns, shapes, sent_by = [], [], []
         for placements in LAYOUTS[name]:
             with redistribution.counted() as sent:
                 d = distribute_tensor(X, mesh, placements)
-            values.add(f"X as {redistribution.short(placements)} on {name}", d, X)
-            parts = int(torch.prod(torch.tensor([mesh.size(i) for i, p in enumerate(placements) if p.is_partial()])))
-            pieces = values.pieces[f"X as {redistribution.short(placements)} on {name}"]
-            said = [redistribution.held(piece, view.mine(X), parts) for piece in pieces]
+            what = f"X as {redistribution.short(placements)} on {name}"
+            values.add(what, d, X)
+            parts = int(torch.tensor([mesh.size(i) for i, p in enumerate(placements) if p.is_partial()]).prod())
+            said = [redistribution.held(piece, view.mine(X), parts) for piece in values.pieces[what]]
             report["layouts"][f"{redistribution.short(placements)} on {name}"] = said
-            rows.append([name, redistribution.short(placements), tuple(d.to_local().shape),
-                         ", ".join(op.rstrip("_") + (f" x{n}" if n > 1 else "") for op, n in sent.torch.items()) or "none", *said])
-    ui.table("X (8 x 8) as each rank holds it", ["mesh", "placements", "piece", "sent",
-                                                 *(f"rank {r}" for r in range(world))], rows)
+            columns.append(said)
+            shapes.append(tuple(d.to_local().shape))
+            sent_by.append(", ".join(op.rstrip("_") + (f" x{n}" if n > 1 else "") for op, n in sent.torch.items()) or "none")
+        ui.table(f"X (8 x 8) on the {name} mesh: each rank's piece (to_local)",
+                 ["rank", *(redistribution.short(p) for p in LAYOUTS[name])],
+                 [[r, *(said[r] for said in columns)] for r in range(world)]
+                 + [["shape", *shapes], ["sent by distribute_tensor", *sent_by]])
     ui.print(f"full_tensor() gives X back from every layout: "
              f"{all(torch.equal(values.full[n], view.mine(X)) for n in values.full)}")
 
@@ -215,15 +222,15 @@ def program(meshes: dict, device, seed: int, ui: UI, view) -> tuple:
     # DTensor looks up each op's sharding rules for its inputs' placements; where none takes them
     # as they are, it redistributes an input first, by itself: traffic no line of yours asked for.
     ui.step(4, "Propagate placements through x @ w, sum and softmax")
-    torch.manual_seed(seed)  # the same x and w on every rank
-    x, w = torch.randn(8, 16, device=device), torch.randn(16, 8, device=device)
+    torch.manual_seed(seed)  # the same x and w on every rank; in [0, 1), as after a ReLU (Step 5)
+    x, w = torch.rand(8, 32, device=device), torch.rand(32, 16, device=device)  # 1 KiB, 2 KiB
     mesh, rows, report["propagation"] = meshes["1-D"], [], []
     for what, op, placements in OPS:
         inputs = [distribute_tensor(t, mesh, [p]) for t, p in zip((x, w), placements)]
         with redistribution.counted() as ran:
             out = op(*inputs)
         values.add(f"{what} with {redistribution.short(placements)}", out, op(x, w) if len(inputs) == 2 else op(x))
-        by_itself = "+".join(c.kind for c in ran.calls) or "none"
+        by_itself = ", ".join(f"{c.kind} of {c.data_bytes:,} bytes" for c in ran.calls) or "none"
         gap = values.gap_to_one_process()[f"{what} with {redistribution.short(placements)}"]
         report["propagation"].append({"op": what, "inputs": [str(p) for p in placements],
                                       "output": redistribution.short(out.placements), "redistributed": by_itself, "gap": gap})
@@ -233,6 +240,7 @@ def program(meshes: dict, device, seed: int, ui: UI, view) -> tuple:
 
     # Step 5: The Partial pitfalls: a max or a norm of the pieces, and clipping
     # y = x @ w with the inner dimension split is Partial: rank r holds a summand y_r, not y.
+    # x and w are not negative, so the summands agree in sign, as data-parallel gradients mostly do.
     ui.step(5, "The Partial pitfalls: a max or a norm of the pieces, and clipping")
     y = distribute_tensor(x, mesh, [S1]) @ distribute_tensor(w, mesh, [S0])
     rows, report["pitfalls"] = partial_pitfalls.max_and_norm(y, x @ w, mesh, view, values)
