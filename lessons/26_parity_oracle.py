@@ -126,8 +126,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
             if step == args.record_steps + 1:  # the one-process twin has served: recording is over
                 runs.pop(("one process", torch.float64), None)
             x, y = (t.to(device) for t in T.batch(step - 1, args.seed))
-            for (side, dtype), (run_, optimizer, recorder) in runs.items():
-                loss = parity_layouts.train_step(run_, optimizer, x, y, recorder if recording else None, step)
+            for (side, dtype), (side_run, optimizer, recorder) in runs.items():
+                loss = parity_layouts.train_step(side_run, optimizer, x, y, recorder if recording else None, step)
                 if recording:
                     recorder.collect()  # the pieces, whole, on rank 0
                 if dtype == torch.float32:
