@@ -1,4 +1,4 @@
-"""Lesson 26: the parity oracle: is the difference rounding or a bug, and where does it start?
+"""Lesson 26: the parity oracle, rounding or a bug, and where it starts.
 
 Parent: lesson 13 (lessons/13_transformer_memory.py)
 
