@@ -233,13 +233,26 @@ def test_a_folder_module_leaves_sys_path_alone_unless_a_learner_runs_it():
     assert not offenders, f"lesson-folder modules that edit sys.path: {offenders}"
 
 
+def _lesson_loads(path: Path) -> list[str]:
+    """Calls that load a file by its path (importlib's spec_from_file_location, runpy.run_path)
+    with a lesson in their arguments."""
+    found = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                "spec_from_file_location", "run_path"):
+            text = " ".join(ast.unparse(a) for a in node.args)
+            if "lessons" in text or "lesson_path" in text:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
 def test_only_common_loads_a_lesson_file_by_its_path():
     """Lesson files start with digits, so `import` cannot name them: common.lesson_module is
-    the one place that loads one by its path (tools, bench, exercises, tests call it)."""
-    found = [str(f.relative_to(ROOT)) for f in [*SOURCES, *(ROOT / "tests").rglob("*.py")]
-             if "spec_from_file_location" in f.read_text()
-             and f.relative_to(ROOT).as_posix() not in ("common/__init__.py", "tests/test_shape.py")]
-    assert not found, f"loading files by path outside common.lesson_module: {found}"
+    the one place that loads one by its path (tools, bench, exercises and tests call it).
+    (A learner's answer or a starter file is not a lesson: a check may load those.)"""
+    found = [hit for f in [*SOURCES, *(ROOT / "tests").rglob("*.py")] for hit in _lesson_loads(f)
+             if not hit.startswith(("common/__init__.py", "tests/test_shape.py"))]
+    assert not found, f"lesson files loaded by path outside common.lesson_module: {found}"
 
 
 def test_tests_use_public_apis_only():
