@@ -6,6 +6,7 @@ shorten that to one line that names the problem and the fix, and exit with code 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -25,8 +26,27 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class LessonParser(argparse.ArgumentParser):
+    def parse_known_args(self, args=None, namespace=None):
+        self.given = list(sys.argv[1:] if args is None else args)  # for error(), below
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:  # called by argparse on a bad flag
+        # argparse reads "-7e9" (not "-7") as a flag, and says "expected one argument"
+        missing = re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected one argument", message)
+        given = getattr(self, "given", [])
+        for i, token in enumerate(given[:-1]):
+            if missing and token in missing[1].split("/") and _is_number(given[i + 1]):
+                fail(f"argument {token}: {given[i + 1]} is a negative number, which argparse took for "
+                     f"a flag; {token} takes a positive one (run with --help to see every flag)")
         fail(f"{message} (run with --help to see every flag)")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _number(text: str, kind, ok, expected: str):

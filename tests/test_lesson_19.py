@@ -346,3 +346,12 @@ def test_pipeline_bytes_match_the_planner():
     formula = planner.comm(model, planner.Layout(pp=2), element=4)["pp"]
     for rank, sent in enumerate(per_rank):
         assert len(sent) == m and sum(sent) == formula, (rank, sent, formula)
+
+
+def test_a_negative_plan_is_named_as_such(monkeypatch, capsys):
+    """Issue 35: --plan -7e9 said "expected one argument" (argparse reads -7e9, unlike -7, as a
+    flag): the refusal now says it is a negative number where a positive one is wanted."""
+    line = parse_error(import_lesson("19"), ["--plan", "-7e9"], monkeypatch, capsys)
+    assert "argument --plan: -7e9 is a negative number" in line and "takes a positive one" in line, line
+    assert "expected one argument" not in line
+    assert "expected one argument" in parse_error(import_lesson("19"), ["--plan"], monkeypatch, capsys)

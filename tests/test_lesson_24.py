@@ -14,6 +14,7 @@ what the drop-out cost; bad flags refused in one line before any rank starts; an
 says of torchft, of the exercise's starter, and of the exercise's answer."""
 import re
 import runpy
+import sys
 
 import pytest
 import torch
@@ -378,3 +379,19 @@ def test_make_refuses_a_bad_flag_before_claiming_the_folder(tmp_path):
     proc = run(["make", "-s", "lesson-24", f"ARGS=--steps 50 --out {tmp_path / 'out'}"], check=False, timeout=60)
     assert proc.returncode == 2 and one_error_line(proc).startswith("error: --steps 50"), proc.stderr
     assert "Step" not in proc.stdout and not (tmp_path / "out").exists()
+
+
+def test_a_refused_sync_every_names_only_values_that_pass(monkeypatch, capsys):
+    """Issue 35: --sync-every 1000000000 was refused with "use --steps 1000000000 or
+    1000000000", a run of a billion steps. H above --steps is refused on its own, naming the
+    divisors of --steps (that --drop-at leaves room for); each of them passes."""
+    lesson = import_lesson("24")
+    for base in (["--sync-every", "1000000000"], ["--sync-every", "100", "--world-size", "2",
+                                                  "--drop-rank", "1", "--drop-at", "5"]):
+        line = parse_error(lesson, base, monkeypatch, capsys)
+        assert f"--sync-every {base[1]} is more than --steps 64" in line and "1000000000 or" not in line, line
+        fits = [v for v in line.rsplit(": ", 1)[1].replace(" ...", "").split(", ")]
+        assert fits and all(v.isdigit() for v in fits), line
+        for value in fits:
+            monkeypatch.setattr(sys, "argv", ["24", *base[2:], "--sync-every", value])
+            assert lesson.parse_args().sync_every == int(value)

@@ -219,10 +219,20 @@ def add_flags(parser) -> None:
                         help="the outer step it misses, counted from 1")
 
 
+def listed_fits(values: list[int]) -> str:
+    """The first few and the last of the values a flag may take."""
+    return ", ".join(map(str, values)) if len(values) <= 6 else \
+        ", ".join(map(str, values[:5])) + f", ... {values[-1]}"
+
+
 def check_flags(args):
     """One line and exit 2, before any process starts."""
     T.check_world_size(args.world_size, "--world-size")  # every replica takes as many rows
     H, steps = args.sync_every, args.steps
+    if H > steps:  # (suggesting --steps H would offer a run of H steps: 1e9 of them, once)
+        fits = [d for d in range(1, steps + 1) if steps % d == 0 and steps // d >= (args.drop_at or 1)]
+        fail(f"--sync-every {H} is more than --steps {steps}: the run would end before its first outer "
+             f"step; use a --sync-every that divides --steps: {listed_fits(fits)}")
     if steps % H:
         fail(f"--steps {steps} is not a multiple of --sync-every {H}: a run ends on an outer step; "
              f"use --steps {max(H, steps - steps % H)} or {steps - steps % H + H}")
