@@ -107,6 +107,9 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
             one = parity_layouts.one_process(T.make_model(args.seed).to(device, dtype))
             runs["one process", dtype] = (one, T.make_optimizer(one.model),
                                           parity_oracle.Recorder(one.model, {}, f"lesson 13, {one.about}; {dtype}"))
+    if rank == 0:  # for Step 4: lessons 14-24's floor, lesson 13 summing each batch in N chunks
+        model_13 = T.make_model(args.seed).to(device)
+        chunked = (model_13, T.make_optimizer(model_13), parity_oracle.Recorder(model_13, {}, f"lesson 13 in {world} chunks"))
     ui.print(f"{args.layout} on {world} ranks: {runs['parallel', torch.float32][0].about}")
     ui.print(f"recorded: {len(shapes) - sum(k.startswith('backward/') for k in shapes)} module outputs "
              f"and {sum(k.startswith('backward/') for k in shapes)} gradients per step, for {args.record_steps} steps")
@@ -133,6 +136,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
                 if dtype == torch.float32:
                     losses[side].append(loss)
             if recording and rank == 0:
+                parity_layouts.chunked_step(*chunked[:2], x, y, world, chunked[2], step)
+                chunked[2].collect()
                 reference, parallel = (runs[side, torch.float32][2].recording for side in ("one process", "parallel"))
                 for side in ("one process", "parallel"):
                     parity_oracle.measure_rounding(runs[side, torch.float32][2].recording, runs[side, torch.float64][2].recording)
@@ -162,6 +167,14 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     ui.print(parity_oracle.verdict_line(rows))
     if first is not None and first["pass"] == "backward" and abs(first["norm_ratio"] - world) < 0.01:
         ui.print(f"|B| / |A| = {first['norm_ratio']:.3f} on {world} ranks: a sum where a mean was meant")
+    # The same walk with lessons 14-24's floor: how far lesson 13 moves when it sums each batch
+    # in N chunks. It models data parallel's reordering only, and both runs' rounding not at all.
+    floor_14 = parity_oracle.with_floor_from(reference, parity_oracle.join_chunks(chunked[2].recording, shapes))
+    rows_14 = parity_oracle.compare(floor_14, {**parallel, "rounding": {}})
+    above = [r for r in rows_14 if not r["ratio"] <= 1]
+    ui.print(f"with lessons 14-24's floor instead (lesson 13 summing each batch in {world} chunks): {len(above)} "
+             f"of the {len(rows_14)} entries above it" + (f", the first {parity_oracle.where(above[0])}, "
+             f"{parity_oracle.times(above[0]['ratio'])}" if above else ""))
 
     # Step 5: Watch the difference grow: rounding through AdamW, a bug from its first step
     # The weights after each step: the layout against lesson 13's one process, and against its
@@ -195,6 +208,7 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
         max_abs_diff_per_step=[max(r["diff"] for r in rows if r["step"] == s) for s in range(1, args.record_steps + 1)],
         entries_per_step=len(rows) // args.record_steps, weights_gap={str(s): d for s, (d, _) in gaps.items()},
         weights_gap_to_float64_twin={str(s): t for s, (_, t) in gaps.items()},
+        chunked_floor_entries_above=len(above), chunked_floor_first=parity_oracle.divergence_metrics(above[0] if above else None),
         losses_one_process=losses["one process"], entries=[  # every comparison, in order (the pictures)
             [r["step"], r["pass"], r["name"], parity_oracle.number(r["diff"]), r["floor"], parity_oracle.number(r["ratio"])]
             for r in rows]))

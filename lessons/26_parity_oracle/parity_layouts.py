@@ -86,6 +86,24 @@ def train_step(run: Layout, optimizer, x, y, recorder=None, step: int | None = N
     return loss.item()
 
 
+def chunked_step(model, optimizer, x, y, chunks: int, recorder=None, step: int | None = None) -> float:
+    """Lesson 13's step with the batch summed in `chunks` pieces in one process, as
+    T.train_reference(chunks=N) does (the floor lessons 14-24 print for weights); with a
+    recorder, each chunk's outputs are recorded (parity_oracle.join_chunks joins them)."""
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for r in range(chunks):
+        with recorder.forward(step) if recorder is not None else nullcontext():
+            logits = model(T.shard(x, r, chunks))
+        part = loss_fn(logits, T.shard(y, r, chunks)) / chunks
+        part.backward()
+        total += part.item()
+    if recorder is not None:
+        recorder.gradients(step)
+    optimizer.step()
+    return total
+
+
 def one_process(model) -> Layout:
     """Lesson 13 itself: the whole batch, the whole model, nothing to sync."""
     return Layout("one process", model, model, about="one process, the whole batch")

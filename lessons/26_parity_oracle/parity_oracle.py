@@ -174,6 +174,31 @@ def measure_rounding(recording: dict, twin: dict) -> None:
         recording["rounding"][key] = (a - b).abs().max().item() if a.numel() else 0.0
 
 
+def join_chunks(recording: dict, shapes: dict) -> dict:
+    """A recording of steps run in chunks of the batch (each module called once per chunk:
+    name, name#2, ...) with each module's chunks joined back into the whole batch, along the
+    dimension where a chunk is smaller than its whole shape (`shapes`, from whole_shapes); a
+    chunk already whole (the position embedding's output) is kept once."""
+    joined, parts = new_recording(recording["about"]), {}
+    for key in recording["names"]:
+        parts.setdefault(key.split("#")[0], []).append(recording["values"][key])
+    for key, pieces in parts.items():
+        _, kind, name = split_key(key)
+        shape = shapes.get(f"{kind}/{name}", tuple(pieces[0].shape))
+        cut = [d for d in range(pieces[0].dim()) if pieces[0].shape[d] != shape[d]]
+        joined["names"].append(key)
+        joined["values"][key] = torch.cat(pieces, cut[0]) if cut else pieces[0]
+    return joined
+
+
+def with_floor_from(recording: dict, other: dict) -> dict:
+    """`recording` whose rounding, entry by entry, is max |recording - other| instead: the
+    floor lessons 14-24 use for weights when `other` is lesson 13 summing its batch in N chunks."""
+    rounding = {k: (recording["values"][k].double() - other["values"][k].double()).abs().max().item()
+                for k in recording["names"]}
+    return {**recording, "rounding": rounding}
+
+
 # --- comparing ---------------------------------------------------------------------------
 
 def split_key(key: str) -> tuple[int, str, str]:
