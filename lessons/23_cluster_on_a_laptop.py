@@ -6,9 +6,11 @@ New since lesson 19: no other rank exists. A "fake" process group tells this pro
 0 of W and answers every collective at once; FakeTensorMode gives tensors shapes and no memory,
 so a 1B-7B transformer costs nothing. On it runs torch's real code: lesson 19's mesh, its
 tensor-parallel plan and fully_shard, one training step. Measured on this one rank: the bytes it
-holds, its peak (torch's MemTracker), every collective and its bytes per mesh dimension, beside
-lesson 19's planner (lessons/19_two_d_mesh/planner.py). --real runs the same code on real gloo
-ranks (a tiny model, 2 to 8 ranks) and compares every count and byte with the fake run.
+holds, every collective and its bytes per mesh dimension, beside lesson 19's planner
+(lessons/19_two_d_mesh/planner.py), and with FSDP2 alone (--tp 1) its peak memory (torch's
+FSDPMemTracker). --vocab-parallel also splits the embedding and the head across tp, by
+vocabulary, with loss_parallel. --real runs the same code on real gloo ranks (a tiny model, 1 to
+8 ranks) and compares every count, byte and the peak with the fake run.
 
 PRIVATE API: FakeStore and the "fake" backend come from torch.testing._internal.distributed.fake_pg,
 torch's own test helpers, not its public API; checked on torch 2.14.1 only
@@ -17,8 +19,10 @@ torch's own test helpers, not its public API; checked on torch 2.14.1 only
 Run:
     make lesson-23
     make lesson-23 ARGS="--model 7b --world-size 1024 --tp 1"
+    make lesson-23 ARGS="--vocab-parallel"
     .venv/bin/python lessons/23_cluster_on_a_laptop.py --model 3b --dp 64 --tp 8 --microbatches 2
     .venv/bin/python lessons/23_cluster_on_a_laptop.py --real --model tiny --world-size 4 --tp 2
+    .venv/bin/python lessons/23_cluster_on_a_laptop.py --real --model tiny --world-size 2 --tp 1
 
 Doc: docs/23_cluster_on_a_laptop.md
 """
@@ -36,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode  # private (a leading underscore)
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, parallel as tp
+from torch.distributed.tensor import Replicate, Shard, parallel as tp
 
 from apparatus.comm import CommLog
 import cluster_report
@@ -52,7 +56,7 @@ def parse_args():
     parser = lesson_parser(__doc__, recipe=False, distributed=True)
     parser.add_argument("--seed", type=seed_number, default=T.SEED,
                         help="seed for the initial weights and the tokens")
-    cluster_report.add_flags(parser)  # --model, --world-size, --dp, --tp, --microbatches, --real
+    cluster_report.add_flags(parser)  # --model, --world-size, --dp, --tp, --microbatches, --real, --vocab-parallel
     return cluster_report.check_flags(parser.parse_args())  # dp x tp = world size; tp divides the heads
 
 
@@ -107,7 +111,7 @@ def worker(rank: int, world: int, args, ui: UI) -> tuple[dict, dict, float]:
 
     # Step 3: Build the model on the meta device, split each block across tp, shard across dp
     # The meta device: shapes, no storage, no Python per tensor. Lesson 19's plan and
-    # fully_shard, unchanged; FSDP2 cuts each parameter into W chunks here, where it is cheap.
+    # fully_shard, unchanged; FSDP2 cuts each parameter into dp chunks here, where it is cheap.
     ui.step(3, "Build the model on the meta device, split each block across tp, shard across dp")
     with torch.device("meta"):
         model = fake_cluster.make_model(size)
@@ -116,6 +120,9 @@ def worker(rank: int, world: int, args, ui: UI) -> tuple[dict, dict, float]:
     plan |= {f"blocks.*.{name}": tp.RowwiseParallel() for name in ("attn.proj", "mlp.proj")}
     # q, k, v share one input: one DTensor at the attention, so backward all-reduces it once
     plan["blocks.*.attn"] = tp.PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=False)
+    if args.vocab_parallel:  # lesson 19 leaves these two whole: the largest tensors of the model
+        plan["tok_emb"] = tp.RowwiseParallel(input_layouts=Replicate())  # a row per token; all-reduce the output
+        plan["head"] = tp.ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)  # logits split by vocabulary
     tp.parallelize_module(model, mesh["tp"], plan)
     for module in (*model.blocks, model):
         fully_shard(module, mesh=mesh["dp"])  # ZeRO-3 across dp: each block, then the root
@@ -141,30 +148,34 @@ def worker(rank: int, world: int, args, ui: UI) -> tuple[dict, dict, float]:
         # collective counter, sees FSDP2's c10d calls and DTensor's functional ones alike.
         ui.step(5, "Train one step, recording every collective and the peak")
         log, timer = CommLog(), Timer()
-        tracker = fake_cluster.Trackers(model, optimizer, args.real, args.microbatches)  # torch's MemTracker, CommDebugMode: Step 7
+        # torch's FSDPMemTracker for the peak: under fake tensors only with FSDP2 alone (Step 7
+        # shows why); it refuses micro-batches. CommDebugMode beside CommLog: Step 7.
+        peak_wanted = args.microbatches == 1 and (args.tp == 1 or args.real)
+        tracker = fake_cluster.Trackers(model, optimizer, memory=peak_wanted, comm=args.real)
         x, y = fake_cluster.tokens(size, mesh.get_local_rank("dp"), args.seed)  # a tp group shares them
-        with log.recording(), tracker:
+        # loss_parallel: cross-entropy on logits split by vocabulary, forward and backward
+        with log.recording(), tracker, tp.loss_parallel() if args.vocab_parallel else contextlib.nullcontext():
             for _ in range(args.microbatches):
                 loss = T.loss_fn(model(x), y) / args.microbatches
                 loss.backward()
             optimizer.step()
         held, peak = fake_cluster.held_bytes(model, optimizer), tracker.peak()
+        whole = fake_cluster.whole_across_tp(model)
     ui.print(f"one step of {args.microbatches} micro-batch(es) in {timer.seconds:.1f}s; the loss is a "
              f"{type(loss).__name__}" + (": a shape, no value" if fake else f" = {loss.item():.4f}"))
-    ui.print(f"MemTracker's peak: {peak['total']:,} bytes (" + ", ".join(f"{k} {v:,}" for k, v in peak.items()
-             if k != "total") + ")" if peak else "peak: not tracked (MemTracker is wrong under fake tensors: --real shows it)")
+    ui.print(cluster_report.peak_line(peak, args, fake))
 
     # Step 6: Count the bytes this rank holds and sends, beside lesson 19's planner
     # Held: from this rank's local shards. Sent: Step 5's collectives sorted by the mesh
     # dimension whose group carried them. Beside lesson 19's formulas for the same job, given
     # every parameter's shape: FSDP2 pads each tensor's rows up to a multiple of dp.
     ui.step(6, "Count the bytes this rank holds and sends, beside lesson 19's planner")
-    per_rank = cluster_report.measure(log, mesh, held, peak, tracker.counts())
+    per_rank = cluster_report.measure(log, mesh, held, whole, peak, tracker.counts())
     ui.table(f"Rank {rank}'s collectives in one step", ["dimension", *cluster_report.KINDS],
              [[d, *(v[k] for k in cluster_report.KINDS)] for d, v in per_rank["collectives_by_dim"].items()])
-    plan = cluster_report.planner_keys(size, args.dp, args.tp, args.microbatches)  # with the shapes, and without
-    per_rank["seconds"] = timer.seconds
-    return per_rank, plan, cluster_report.beside_planner(ui, per_rank, plan)
+    plan = cluster_report.planner_keys(size, args.dp, args.tp, args.microbatches, args.vocab_parallel)  # with the shapes, and without
+    per_rank["seconds"], per_rank["loss"] = timer.seconds, None if fake else loss.item()
+    return per_rank, plan, cluster_report.beside_planner(ui, per_rank, plan, args, n_params, bool(peak) and args.tp == 1)
 
 
 def finish(ui: UI, args, folder: Path, fake: dict, plan: dict, worst: float, real: dict | None = None) -> None:
@@ -173,14 +184,15 @@ def finish(ui: UI, args, folder: Path, fake: dict, plan: dict, worst: float, rea
     # --real only: W real processes ran worker() on gloo. Rank 0's counts and bytes against the
     # fake run's: the fake group is trusted as far as they agree. final.pt holds no weights.
     ui.step(7, "Run the same code on real gloo ranks, compare, save the results")
-    same, peak_gap = cluster_report.beside_fake(ui, real, fake) if real else (None, None)
+    same, peak_gap = cluster_report.beside_fake(ui, real, fake, args.tp) if real else (None, None)
     ui.print("no real ranks (add --real with --model tiny to compare)" if real is None else
              f"real gloo ranks and the fake group agree on every count and byte: [bold]{same}[/bold]")
     save_results(folder, {}, make_metrics(
         lesson="23", world_size=args.world_size, mesh_shape=[args.dp, args.tp], backend="fake",
         device="cpu (fake tensors)", losses=[], final_accuracy=None, wall_seconds=fake["seconds"],
         samples=args.microbatches * args.dp, model=args.model, parameters=fake_cluster.count_parameters(args.size),
-        microbatches=args.microbatches, per_rank=fake, planner=plan, max_relative_difference=worst,
+        microbatches=args.microbatches, vocab_parallel=args.vocab_parallel, per_rank=fake, planner=plan,
+        max_relative_difference=worst, peak_memory_bytes=fake["peak_bytes"].get("total") if args.tp == 1 else None,
         real=real, fake_equals_real=same, peak_fake_vs_real=peak_gap, torch_version=torch.__version__, checked_on=fake_cluster.CHECKED_ON))
     ui.print(f"wrote {shown(folder / 'metrics.json')} (final.pt: empty, a fake run has no weights)")
 

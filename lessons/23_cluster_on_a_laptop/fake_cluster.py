@@ -7,12 +7,13 @@
                                 tensor-parallel plan applies unchanged
     join_fake_group(world)      this process becomes rank 0 of `world` ranks: the "fake" backend
     held_bytes(model, opt)      bytes this rank holds, by kind, from its local shards
-    Trackers(model, opt, on)    torch's MemTracker and CommDebugMode, for Step 7's comparison
+    whole_across_tp(model)      the parameters tensor parallel leaves whole, and what rank 0 holds of them
+    Trackers(model, opt, ...)   torch's FSDPMemTracker (the peak) and CommDebugMode (Step 7)
 
 PRIVATE API, checked on torch 2.14.1 only: FakeStore and the "fake" backend live in
 torch.testing._internal.distributed.fake_pg, torch's own test helpers, not its public API. They
 may move or change in any release; every run prints the version it runs on beside CHECKED_ON
-(version_note). FakeTensorMode (torch._subclasses) and MemTracker
+(version_note). FakeTensorMode (torch._subclasses) and FSDPMemTracker
 (torch.distributed._tools) are private too (a leading underscore), used by torch's own tools.
 """
 from __future__ import annotations
@@ -113,7 +114,7 @@ def version_note() -> str:
     have = torch.__version__.split("+")[0]
     same = "the same version" if have == CHECKED_ON else "[yellow]NOT that version: they may differ here[/yellow]"
     return (f"PRIVATE API: the fake process group (torch.testing._internal.distributed.fake_pg), "
-            f"FakeTensorMode and MemTracker, checked on torch {CHECKED_ON}; this is torch {have}, {same}")
+            f"FakeTensorMode and FSDPMemTracker, checked on torch {CHECKED_ON}; this is torch {have}, {same}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -141,52 +142,68 @@ def held_bytes(model: nn.Module, optimizer) -> dict[str, int]:
             "optimizer_state": storage_bytes(state)}
 
 
-class Trackers:
-    """With on=True: torch's MemTracker and CommDebugMode, entered together (--real only).
+def whole_across_tp(model: nn.Module) -> dict[str, int]:
+    """The parameters tensor parallel left whole on every tp rank (not Shard on the mesh's "tp"
+    dimension: lesson 19's plan splits only the blocks' linear layers), how many elements they
+    have in all, and the bytes of them this rank holds (FSDP2 still divides them by dp)."""
+    def split(p) -> bool:
+        names = p.device_mesh.mesh_dim_names or ()
+        return "tp" in names and p.device_mesh.size(names.index("tp")) > 1 and p.placements[names.index("tp")].is_shard()
 
-    MemTracker (torch.distributed._tools.mem_tracker) records every storage created while it is
-    entered, by kind (parameter, gradient, activation, optimizer state, temporary), and the peak
-    of their sum. It runs under FakeTensorMode without an error, but its peak there is wrong:
-    Step 7 puts it beside the same tracker on real gloo ranks. CommDebugMode
+    whole = [p for p in model.parameters() if not split(p)]
+    return {"tensors": len(whole), "parameters": sum(p.numel() for p in whole),
+            "held_bytes": storage_bytes(whole)}
+
+
+class Trackers:
+    """torch's FSDPMemTracker (memory=True) and CommDebugMode (comm=True), entered together.
+
+    FSDPMemTracker (torch.distributed._tools.fsdp2_mem_tracker; torchtitan's memory estimator,
+    scripts/estimate/estimation.py, runs it under the fake process group as we do) records every
+    storage created while it is entered, by kind (sharded and unsharded parameters, gradients,
+    activations, all-gather and reduce-scatter buffers, optimizer state, temporaries), and the
+    peak of their sum. Under FakeTensorMode it holds while the step computes on plain tensors
+    (FSDP2 alone: it gathers each block's weights into plain tensors), not on DTensors (tensor
+    parallel): DTensor works out each new op's output shape by running it on fake tensors of
+    the whole, unsharded shape, in the fake mode already active (`detect_fake_mode() or
+    FakeTensorMode()` in torch/distributed/tensor/_sharding_prop.py), and the tracker counts
+    what that mode makes as this rank's memory (in a real run that mode is a separate one, and
+    the tracker skips it). Step 7 measures both against real ranks. CommDebugMode
     (torch.distributed.tensor.debug) is torch's own collective counter: Step 7 shows it counts
     what CommLog counts, FSDP2's collectives included."""
 
-    def __init__(self, model, optimizer, on: bool, microbatches: int = 1):
-        from torch.distributed._tools.mem_tracker import MemTracker  # PRIVATE: see the docstring
+    def __init__(self, model, optimizer, memory: bool, comm: bool):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker  # PRIVATE: see the docstring
         from torch.distributed.tensor.debug import CommDebugMode
 
-        self.on, self.memory, self.comm = on, MemTracker(), CommDebugMode()
-        # MemTracker refuses a module that runs twice while it tracks (its own NotImplementedError,
-        # torch 2.14.1): with micro-batches it stays off
-        self.tracks_memory = on and microbatches == 1
-        if self.tracks_memory:
-            self.memory.track_external(model, optimizer)
+        self.memory = FSDPMemTracker(model, optimizer) if memory else None
+        self.comm = CommDebugMode() if comm else None
 
     def __enter__(self):
-        if self.tracks_memory:
-            self.memory.__enter__()
-        if self.on:
-            self.comm.__enter__()
+        for tool in (self.memory, self.comm):
+            if tool is not None:
+                tool.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.on:
-            self.comm.__exit__(*exc)
-        if self.tracks_memory:
-            self.memory.__exit__(*exc)
+        for tool in (self.comm, self.memory):
+            if tool is not None:
+                tool.__exit__(*exc)
 
     def peak(self) -> dict[str, int]:
-        """MemTracker's peak in bytes, by kind and "total" (the CPU is our one device)."""
-        if not self.tracks_memory:
+        """FSDPMemTracker's peak in bytes, by kind ("sharded_param", "activation", ...) and
+        "total" (the CPU is our one device); {} when it did not run."""
+        if self.memory is None:
             return {}
         by_kind = next(iter(self.memory.get_tracker_snapshot("peak").values()), {})
-        return {str(getattr(k, "value", k)).lower(): int(v) for k, v in by_kind.items() if v or str(k) == "Total"}
+        return {str(getattr(k, "value", k)).lower().replace(" ", "_"): int(v)
+                for k, v in by_kind.items() if v or k == "Total"}
 
     def counts(self) -> dict[str, int]:
         """CommDebugMode's collectives by kind, named as CommLog names them (apparatus/comm.py)."""
         from apparatus.comm import OPS
         out: dict[str, int] = {}
-        for op, n in self.comm.get_comm_counts().items() if self.on else ():
+        for op, n in self.comm.get_comm_counts().items() if self.comm is not None else ():
             name = str(op)  # CommDebugMode names DTensor's all-reduce c10d_functional.all_reduce
             kind = (OPS.get(name) or OPS.get("_" + name) or (name,))[0]
             out[kind] = out.get(kind, 0) + n

@@ -1,7 +1,7 @@
 """Exercise 23: the bytes rank 0 holds, worked out before any rank exists.
 
-Lesson 23 measured them on rank 0 of a fake process group; lesson 19's planner divides the
-parameter count evenly by dp x tp. Work them out from the shapes alone:
+Lesson 23 measured them on rank 0 of a fake process group. Work them out from the shapes
+alone, as lesson 19's planner does when it is given them:
 
     shapes   {name: shape} of the whole model's parameters, e.g. "blocks.0.attn.q.weight": (64, 64)
     dp, tp   the mesh: dp ranks across the data (FSDP2), tp across each block (tensor parallel)
@@ -15,9 +15,10 @@ What happens to each parameter, in lesson 19's order:
   2. FSDP2 splits dim 0 of what a rank then holds into dp chunks, as torch.chunk does: rank 0
      gets ceil(rows / dp) rows (a tensor of 3 rows on 4 ranks: one row each for ranks 0-2).
 
-Below, the planner's even division: right to 0.00% for the 1b model on 1,024 ranks, wrong for
-the tiny one. Make it right for both.
-Hint: lesson 23, Step 6 (the planner's table), and docs/23_cluster_on_a_laptop.md, Step 3.
+Below, every parameter divided evenly over all dp x tp ranks (parameters x 4 / 1,024 for the 1b
+model on 1,024 ranks): half of what rank 0 holds there, since tensor parallel leaves the
+embeddings and the head whole (step 1), and wrong for the tiny model too. Make it right.
+Hint: lesson 23, Step 6 (its last lines), and docs/23_cluster_on_a_laptop.md, Steps 3 and 6.
 
 Check it:  make check-23   (the tiny model on a 2 x 2 mesh and on a 256 x 4 one, against lesson
                             23's own measurement under the fake process group)
