@@ -31,6 +31,7 @@ mean of the ranks' mean losses the global mean.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -275,14 +276,26 @@ def train_reference(seed: int = SEED, steps: int = STEPS, chunks: int = 1) -> di
         result = _train(seed, steps, chunks)
     finally:
         torch.set_num_threads(threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(result, tmp)
-    os.replace(tmp, path)  # atomic: a parallel reader sees no file or the whole file
-    for old in path.parent.glob("*.pt"):  # references of an older recipe can never be read again
-        if not old.name.endswith(f"-{source}.pt"):
-            old.unlink(missing_ok=True)
+    keep_cached(path, result, f"-{source}.pt")  # references of an older recipe go
     return result
+
+
+def keep_cached(path: Path, result: dict, current: str) -> None:
+    """Write `result` to the cache file `path` atomically (a parallel reader sees no file or
+    the whole file) and delete the folder's .pt files not ending in `current` (of an older
+    source: never read again). Where the repository cannot be written (a read-only checkout,
+    a classroom's shared copy) nothing is kept: the run goes on, and computes it again next time."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(result, tmp)
+        os.replace(tmp, path)
+        for old in path.parent.glob("*.pt"):
+            if not old.name.endswith(current):
+                old.unlink(missing_ok=True)
+    except (OSError, RuntimeError):  # (torch.save reports a full disk as a RuntimeError)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def floor_gap(loss: float) -> str:

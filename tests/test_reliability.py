@@ -652,3 +652,25 @@ def test_a_download_that_never_answers_gives_up(tmp_path, capsys, monkeypatch, s
     assert time.monotonic() - start < 20
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: could not download") and "add --download" not in err, err
+
+
+@pytest.mark.parametrize("which", ["lesson 13's reference (21 and every Part 2 lesson)", "lesson 22's one-process MoE"])
+def test_a_checkout_that_cannot_be_written_still_gets_its_reference(tmp_path, monkeypatch, which):
+    """A read-only checkout: lessons 21 and 22 failed at the end, writing their reference's
+    cache into the repository's runs/. The cache is kept where it can be, and nowhere else:
+    the answer still comes back. (A file where runs/ should be stands for a read-only
+    checkout: root ignores permissions, not a file in the way.)"""
+    from common import transformer as T
+    import moe  # lessons/22_expert_parallel/moe.py
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "runs").write_text("not a folder")
+    if which.startswith("lesson 13"):
+        monkeypatch.setattr(T, "ROOT", checkout)
+        result = T.train_reference(seed=5, steps=2)
+        assert len(result["losses"]) == 2 and set(result["state"]) == set(T.make_model(0).state_dict())
+    else:
+        monkeypatch.setattr(moe, "ROOT", checkout)
+        setup = moe.Setup(seed=5, experts=2, top_k=1, factor=1.0, dtype="float32")
+        assert len(moe.train_single(setup, 2)["losses"]) == 2
+    assert (checkout / "runs").read_text() == "not a folder" and sorted(p.name for p in checkout.iterdir()) == ["runs"]

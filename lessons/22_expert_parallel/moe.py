@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -248,13 +247,7 @@ def train_single(setup: Setup, steps: int) -> dict:
         result = _train(setup, steps)
     finally:
         torch.set_num_threads(threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(result, tmp)
-    os.replace(tmp, path)  # atomic: a parallel reader sees no file or the whole file
-    for old in path.parent.glob("*.pt"):  # answers of older sources can never be read again
-        if not old.name.endswith(path.name[-16:]):
-            old.unlink(missing_ok=True)
+    T.keep_cached(path, result, path.name[-16:])  # answers of older sources go; a read-only checkout keeps none
     return result
 
 
