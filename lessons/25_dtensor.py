@@ -24,6 +24,7 @@ Run:
 
 Doc: docs/25_dtensor.md
 """
+import math
 import os
 import sys
 from pathlib import Path
@@ -49,11 +50,11 @@ from apparatus.results import claim_out, make_metrics, out_dir, save_results, sh
 from apparatus.ui import UI, Timer
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()  # Partial(): each rank holds a summand
-# Step 2: how X is laid out; Step 3: from one layout to another, on each mesh
+# Step 2 lays X out in each layout; Step 3 moves it from one to another, on each mesh
 LAYOUTS = {"1-D": [(S0,), (S1,), (R,), (P,)], "2-D": [(S0, S1), (R, S1), (P, S0)]}
 MOVES = {"1-D": [((S0,), (R,)), ((P,), (R,)), ((P,), (S0,)), ((S0,), (S1,)), ((R,), (S0,)), ((S0,), (P,)), ((R,), (P,))],
          "2-D": [((S0, S1), (R, R)), ((P, P), (S0, S1)), ((S0, S1), (S1, S0))]}
-# Step 4: (what, the op, placements of its inputs); x is 8 x 32, w is 32 x 16
+# Step 4's ops: (what, the op, placements of its inputs); x is 8 x 32, w is 32 x 16
 OPS = [("x @ w", lambda x, w: x @ w, (S0, R)),        # x's rows: the output's rows
        ("x @ w", lambda x, w: x @ w, (R, S1)),        # w's columns: lesson 17's column-parallel
        ("x @ w", lambda x, w: x @ w, (S1, S0)),       # the inner dimension split: row-parallel
@@ -111,54 +112,8 @@ def worker(rank: int, world: int, args, kind: str, note: str | None) -> None:
     real, report = program(meshes, device, args.seed, ui, local_ranks.GlooView(world))  # Steps 2-5
     real_seconds = timer.seconds
     teardown()  # nothing below talks to the other ranks
-    if rank != 0:
-        return
-
-    # Step 6: Compute every rank's values again in one process (LocalTensorMode)
-    # No processes: a fake group of N ranks (lesson 23) whose collectives move nothing, and a
-    # mode in which every tensor holds N ranks' values. The same program(), silent this time.
-    ui.step(6, "Compute every rank's values again in one process (LocalTensorMode)")
-    ui.print(local_ranks.version_note())
-    timer = Timer()
-    fake_cluster.join_fake_group(world)  # lesson 23's fake process group, N ranks in this process
-    cpu_meshes = make_meshes("cpu", world)  # built before the mode, as torch's own tests do
-    with LocalTensorMode(world):
-        simulated, simulated_report = program(cpu_meshes, torch.device("cpu"), args.seed, UI(rank=-1),
-                                              local_ranks.LocalView(world))
-    dist.destroy_process_group()
-    gap, compared, where = local_ranks.largest_gap(real, simulated)
-    ui.print(f"{compared} pieces (every to_local() of Steps 2-5, on each of {world} ranks) in one process in "
-             f"{timer.seconds:.1f}s (on the real ranks: {real_seconds:.1f}s); "
-             f"max |LocalTensorMode - real ranks| = [bold]{gap:.1e}[/bold]"
-             + (f" (largest at {where}: sums in another order)" if gap else " (every value equal)"))
-    for ours, theirs in zip(report["redistributions"], simulated_report["redistributions"]):
-        if ours["collective"] != theirs["collective"]:  # the all-to-all gloo does not run
-            ui.print(f"{ours['from']} -> {ours['to']} ({len(ours['mesh'])}-D mesh): "
-                     f"under LocalTensorMode {theirs['collective']}, {theirs['bytes']:,.0f} bytes sent, "
-                     f"as planned; on {backend_for(device)} {ours['collective']}, {ours['bytes']:,.0f}")
-
-    # Step 7: Compare with one process, save the results
-    # Every whole result (full_tensor) beside the same computation on the whole tensors, with no
-    # DTensor and no ranks: equal up to rounding, except Step 5's mistake, which must differ.
-    ui.step(7, "Compare with one process, save the results")
-    right, wrong = real.gap_to_one_process(), real.gap_to_one_process(mistakes=True)
-    worst = max(right.values())
-    ui.print(f"{len(right)} results against one process: max |full_tensor() - one process| = "
-             f"[bold]{worst:.1e}[/bold] ({'rounding: products and sums done in pieces, in another order' if worst else 'equal'}; allowed 1e-5)")
-    ui.print(f"Step 5's mistake (each rank clips its pieces): off by {max(wrong.values()):.4f}, "
-             + ("as it must be" if world > 1 else "none with one rank: its pieces are the whole gradients"))
-    folder = out_dir("25", args.out)
-    state = {f"full/{name}": t for name, t in real.full.items()}
-    state |= {f"piece/{name}/{r}": t for name, ts in real.pieces.items() for r, t in enumerate(ts)}
-    save_results(folder, state, make_metrics(
-        lesson="25", world_size=world, backend=backend_for(device), device=str(device), losses=[],
-        final_accuracy=None, wall_seconds=real_seconds, samples=0, seed=args.seed, **report,
-        local_tensor_max_abs_diff_vs_gloo=gap, local_tensor_pieces_compared=compared,
-        local_tensor_redistributions=simulated_report["redistributions"],
-        max_abs_diff_vs_one_process=worst, one_process_gaps=right, mistake_gaps=wrong,
-        torch_version=torch.__version__, checked_on=local_ranks.CHECKED_ON))
-    ui.print(f"wrote {shown(folder / 'final.pt')} (every result, whole and each rank's piece) and "
-             f"{shown(folder / 'metrics.json')}")
+    if rank == 0:
+        finish(ui, args, world, device, real, report, real_seconds)
 
 
 def program(meshes: dict, device, seed: int, ui: UI, view) -> tuple:
@@ -179,7 +134,7 @@ def program(meshes: dict, device, seed: int, ui: UI, view) -> tuple:
                 d = distribute_tensor(X, mesh, placements)
             what = f"X as {redistribution.short(placements)} on {name}"
             values.add(what, d, X)
-            parts = int(torch.tensor([mesh.size(i) for i, p in enumerate(placements) if p.is_partial()]).prod())
+            parts = math.prod(mesh.size(i) for i, p in enumerate(placements) if p.is_partial())  # X / parts each
             said = [redistribution.held(piece, view.mine(X), parts) for piece in values.pieces[what]]
             report["layouts"][f"{redistribution.short(placements)} on {name}"] = said
             columns.append(said)
@@ -254,6 +209,57 @@ def program(meshes: dict, device, seed: int, ui: UI, view) -> tuple:
              f"(its gradient {grads[1]})", ["how", "total norm (each rank's)", "max |clipped - one process|"], rows)
     ui.print(f"clip_grad_norm_ on the DTensors ran: {report['clipping']['dtensor_ran']}")
     return values, report
+
+
+def finish(ui: UI, args, world: int, device, real, report: dict, real_seconds: float) -> None:
+    """Rank 0, after the ranks are gone: the same program in one process, then the results."""
+
+    # Step 6: Compute every rank's values again in one process (LocalTensorMode)
+    # No processes: a fake group of N ranks (lesson 23) whose collectives move nothing, and a
+    # mode in which every tensor holds N ranks' values. The same program(), silent this time.
+    ui.step(6, "Compute every rank's values again in one process (LocalTensorMode)")
+    ui.print(local_ranks.version_note())
+    timer = Timer()
+    fake_cluster.join_fake_group(world)  # lesson 23's fake process group, N ranks in this process
+    cpu_meshes = make_meshes("cpu", world)  # built before the mode, as torch's own tests do
+    with LocalTensorMode(world):
+        simulated, simulated_report = program(cpu_meshes, torch.device("cpu"), args.seed, UI(rank=-1),
+                                              local_ranks.LocalView(world))
+    dist.destroy_process_group()
+    gap, compared, where = local_ranks.largest_gap(real, simulated)
+    ui.print(f"{compared} pieces (every to_local() of Steps 2-5, on each of {world} ranks) in one process in "
+             f"{timer.seconds:.1f}s (on the real ranks: {real_seconds:.1f}s); "
+             f"max |LocalTensorMode - real ranks| = [bold]{gap:.1e}[/bold]"
+             + (f" (largest at {where}: sums in another order)" if gap else " (every value equal)"))
+    for ours, theirs in zip(report["redistributions"], simulated_report["redistributions"]):
+        if ours["collective"] != theirs["collective"]:  # the all-to-all gloo does not run
+            ui.print(f"{ours['from']} -> {ours['to']} ({len(ours['mesh'])}-D mesh): "
+                     f"under LocalTensorMode {theirs['collective']}, {theirs['bytes']:,.0f} bytes sent, "
+                     f"as planned; on {backend_for(device)} {ours['collective']}, {ours['bytes']:,.0f}")
+
+    # Step 7: Compare with one process, save the results
+    # Every whole result (full_tensor) beside the same computation on the whole tensors, with no
+    # DTensor and no ranks: equal up to rounding, except Step 5's mistake, which must differ.
+    ui.step(7, "Compare with one process, save the results")
+    right, wrong = real.gap_to_one_process(), real.gap_to_one_process(mistakes=True)
+    worst = max(right.values())
+    why = "rounding: products and sums done in pieces, in another order" if worst else "equal"
+    ui.print(f"{len(right)} results against one process: max |full_tensor() - one process| = "
+             f"[bold]{worst:.1e}[/bold] ({why}; allowed 1e-5)")
+    ui.print(f"Step 5's mistake (each rank clips its pieces): off by {max(wrong.values()):.4f}, "
+             + ("as it must be" if world > 1 else "none with one rank: its pieces are the whole gradients"))
+    folder = out_dir("25", args.out)
+    state = {f"full/{name}": t for name, t in real.full.items()}
+    state |= {f"piece/{name}/{r}": t for name, ts in real.pieces.items() for r, t in enumerate(ts)}
+    save_results(folder, state, make_metrics(
+        lesson="25", world_size=world, backend=backend_for(device), device=str(device), losses=[],
+        final_accuracy=None, wall_seconds=real_seconds, samples=0, seed=args.seed, **report,
+        local_tensor_max_abs_diff_vs_gloo=gap, local_tensor_pieces_compared=compared,
+        local_tensor_redistributions=simulated_report["redistributions"],
+        max_abs_diff_vs_one_process=worst, one_process_gaps=right, mistake_gaps=wrong,
+        torch_version=torch.__version__, checked_on=local_ranks.CHECKED_ON))
+    ui.print(f"wrote {shown(folder / 'final.pt')} (every result, whole and each rank's piece) and "
+             f"{shown(folder / 'metrics.json')}")
 
 
 if __name__ == "__main__":

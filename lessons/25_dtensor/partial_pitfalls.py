@@ -17,10 +17,11 @@ of the squared norms is the squared norm, and only one rank's own norm alone is 
 What DTensor does (torch 2.14.1, torch/distributed/tensor/_ops/_math_ops.py,
 common_reduction_strategy): a reduction of a Partial input whose reduce op differs from the
 Partial's (max of a pending sum, a norm of a pending sum) is not linear, so the input is
-redistributed to Replicate first: an all-reduce the lesson counts. That rule is the fix of
+redistributed to Replicate first: an all-reduce the lesson counts. The rule comes from
 pytorch/pytorch#165962 (a pull request: "By delaying the redistribution, we do the operation
 first, and then the partial reduction. This leads to incorrect results for max, min, gradient
-norm clipping, and more."). A norm of a Shard(0) input needs no such step: each rank's norm is
+norm clipping, and more."). In 2.14.1 it holds for a Partial reduced by another op than its
+own: a sum of a pending sum stays Partial. A norm of a Shard(0) input needs no such step: each rank's norm is
 a _NormPartial, reduced as a root of a sum of squares.
 """
 from __future__ import annotations
