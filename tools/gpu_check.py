@@ -120,6 +120,10 @@ SPECS = {
     "22": Spec("ranks", ("--steps", "30"), EXPERT_SIZES, estimate=(18, 12)),
     "23": Spec("cpu", weights=False, estimate=(20, 0)),
     "24": Spec("ranks", ("--steps", "32"), PART2_SIZES, estimate=(18, 12)),  # a multiple of H = 8
+    # lesson 25: no training; final.pt is every DTensor result, whole and each rank's piece, on the
+    # device (Step 6's LocalTensorMode rerun is on the CPU either way). On NCCL its S(0) -> S(1)
+    # runs as an all-to-all, where gloo all-gathers: compare the two runs' metrics.json too
+    "25": Spec("ranks", (), (1, 2, 4, 8), estimate=(20, 15)),
     # Part 4: lesson 26's default layout is ddp (its sizes are Part 2's); its final.pt is the
     # layout's float32 weights, trained beside float64 twins (about 3x a Part 2 lesson's work)
     "26": Spec("ranks", ("--steps", "30"), PART2_SIZES, estimate=(25, 20)),
