@@ -70,7 +70,7 @@ def check(path: Path) -> str:
         even = round(4 * sum(torch.Size(s).numel() for s in shapes.values()) / (dp * tp))
         if (dp, tp) == MESHES[0]:
             raise NotYet(f"on a {dp} x {tp} mesh (dp x tp) you said {got:,} bytes, rank 0 holds {want:,}"
-                         + (" (even division is what the planner does)" if got == even else "") +
+                         + (" (parameters x 4 / (dp x tp): an even split over every rank)" if got == even else "") +
                          ": tensor parallel leaves the embeddings, norms, the head and the proj biases whole")
         raise NotYet(f"on a {dp} x {tp} mesh (1,024 ranks) you said {got:,} bytes, rank 0 holds {want:,}: "
                      f"a tensor of 64 rows on {dp} dp ranks still costs rank 0 one whole row "
