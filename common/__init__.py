@@ -23,6 +23,7 @@ instruments (step mode, metrics files, collective and memory counters); code tha
 lesson lives in that lesson's folder, lessons/NN_topic/.
 """
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -41,6 +42,23 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.access(ROOT, os.W_OK):
 # lines about the profiler itself, not the job (lesson 20, check-20). Level 6 keeps them
 # out; set KINETO_LOG_LEVEL=0 to see them. Read when a trace starts, so set here is in time.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+def _interrupted_while_starting(signum, frame) -> None:
+    """Ctrl-C before a lesson's main() runs (importing torch takes seconds): the line
+    common.cli.run prints for a Ctrl-C later, not a KeyboardInterrupt traceback."""
+    sys.stderr.write("\ninterrupted (Ctrl-C): nothing was saved for this run\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+# A lesson imports common before torch: from here on Ctrl-C stops it quietly, until
+# common.cli.run gives Python's own handler back to main(). Only in the lesson's own
+# process (its script is lessons/NN_*.py: a rank's and the fork server's is `-c`), and
+# only where Ctrl-C is not ignored already.
+if Path(sys.argv[0] if sys.argv else "").resolve().parent == ROOT / "lessons" \
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
 
 
 def lesson_module(number: str):

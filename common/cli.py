@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -128,9 +129,12 @@ def lesson_parser(doc: str | None, *, recipe: bool = True, distributed: bool = F
 def run(main) -> None:
     """Run a lesson's main(); Ctrl-C ends it with one line instead of a traceback. Started
     by make, it dies with make (common/processes.py: die_with_make)."""
+    from common import _interrupted_while_starting
     from common.processes import die_with_make
 
     die_with_make()
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # started: Python's own again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         main()
     except KeyboardInterrupt:

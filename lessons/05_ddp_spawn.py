@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
 
+import common  # first: a Ctrl-C while torch loads is one line; torch's caches go to runs/
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

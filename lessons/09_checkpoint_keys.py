@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
 sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 09_checkpoint_keys/
 
+import common  # first: a Ctrl-C while torch loads is one line; torch's caches go to runs/
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import common` works
 sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 17_tensor_parallel/
 
+import common  # first: a Ctrl-C while torch loads is one line; torch's caches go to runs/
 import torch
 from torch.distributed.tensor import Replicate, Shard, init_device_mesh, parallel as tp
 

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import co
 sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson's own folder, 23_cluster_on_a_laptop/
 sys.path.insert(1, str(Path(__file__).resolve().parent / "19_two_d_mesh"))  # lesson 19's planner.py
 
+import common  # first: a Ctrl-C while torch loads is one line; torch's caches go to runs/
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode  # private (a leading underscore)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().with_suffix("")))  # this lesson
 sys.path.insert(1, str(Path(__file__).resolve().parent / "17_tensor_parallel"))  # lesson 17's collectives, tensor_parallel.py
 sys.path.insert(1, str(Path(__file__).resolve().parent / "21_context_parallel"))  # lesson 21's ring, ring_attention.py
 
+import common  # first: a Ctrl-C while torch loads is one line; torch's caches go to runs/
 import torch
 
 import parity_layouts

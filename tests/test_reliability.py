@@ -303,6 +303,41 @@ def test_a_signal_while_the_ranks_start_is_one_line_and_leaves_nothing(tmp_path,
     assert not (tmp_path / "o" / "final.pt").exists()
 
 
+@pytest.mark.parametrize("lesson", ["05_ddp_spawn", "13_transformer_memory", "15_zero_fsdp",
+                                    "21_context_parallel", "22_expert_parallel", "24_local_sgd_diloco"])
+def test_ctrl_c_while_torch_imports_is_one_line(tmp_path, cleanup, lesson):
+    """Ctrl-C in a lesson's first seconds, while it imports torch (issue 34: a KeyboardInterrupt
+    traceback in these six): the line a Ctrl-C gets later, exit code 130, nothing else. Each
+    lesson imports common first, which handles Ctrl-C until common.cli.run starts main()."""
+    job = Job([PY, f"lessons/{lesson}.py", "--out", tmp_path / "o"], tmp_path, "a",
+              forked=False)  # a new Python: it imports torch for a second or more
+    cleanup.append(job)
+    deadline = time.monotonic() + 60
+    while "libtorch" not in Path(f"/proc/{job.proc.pid}/maps").read_text():  # torch is loading
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.stderr()
+        time.sleep(0.01)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    assert job.wait(30) == 130
+    assert job.stderr().strip() == "interrupted (Ctrl-C): nothing was saved for this run", job.stderr()
+    assert "Step 1" not in job.stdout()
+
+
+def test_lesson_18_leaves_nothing_in_tmpdir(tmp_path):
+    """Lesson 18 left $TMPDIR/torchinductor_$USER on every run, --help included: importing
+    torch.distributed.pipelining imports torch._dynamo, which makes inductor's cache folder
+    (torch 2.14.1, torch/_inductor/runtime/cache_dir_utils.py), and the lesson imported it
+    before common, which points TORCHINDUCTOR_CACHE_DIR into runs/. A new Python, without the
+    variable this test process has (conftest imports common)."""
+    env = {k: v for k, v in ENV.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    for flags in (["--help"], ["--steps", "2", "--out", str(tmp_path / "o")]):
+        proc = subprocess.run([PY, "lessons/18_pipeline_schedules.py", *flags], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env={**env, "TMPDIR": str(tmp)}, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert not [p.name for p in tmp.iterdir() if p.name.startswith("torchinductor")], flags
+
+
 def test_lesson_05_parent_killed_with_sigkill_takes_its_ranks(tmp_path, cleanup):
     job = Job([PY, "lessons/05_ddp_spawn.py", "--epochs", "400", "--out", tmp_path / "o"],
               tmp_path, "a")
