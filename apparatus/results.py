@@ -193,7 +193,7 @@ def _written_beside(path: Path, write) -> str:
         cause = exc if isinstance(exc, OSError) else getattr(recorded, "error", None)
         if isinstance(exc, Exception) and isinstance(cause, OSError) and cause.errno in (
                 errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EIO, errno.EFBIG):
-            fail(f"could not write {shown(path)} ({cause.strerror}); free some space or pass another "
+            fail(f"could not write {shown(path, markup=False)} ({cause.strerror}); free some space or pass another "
                  f"--out (nothing was left half-written)", code=1)
         raise
 
@@ -256,9 +256,16 @@ def make_metrics(*, lesson: str, world_size: int, backend: str, device: str,
     }
 
 
-def shown(path: Path) -> str:
-    """A path as the learner typed it: relative to the current folder when inside it."""
+def shown(path: Path, markup: bool = True) -> str:
+    """A path as the learner typed it: relative to the current folder when inside it. For
+    rich's print (markup=True) its brackets are escaped: a path is text, and `--out "a[/]b"`
+    crashed lesson 13 with rich's MarkupError after it had trained; markup=False for plain
+    text (an error line)."""
     try:
-        return str(Path(path).resolve().relative_to(Path.cwd()))
+        text = str(Path(path).resolve().relative_to(Path.cwd()))
     except ValueError:
-        return str(path)
+        text = str(path)
+    if not markup:
+        return text
+    from rich.markup import escape
+    return escape(text)

@@ -277,7 +277,7 @@ def main() -> None:
     if args.write_doc:
         from bench import doc
         if not results_path.exists():
-            fail(f"{shown(results_path)} does not exist; run `make bench` first")
+            fail(f"{shown(results_path, markup=False)} does not exist; run `make bench` first")
         written = doc.write_doc(results_path, args.doc, args.img, publish=args.publish)
         ui.print(f"wrote {', '.join(shown(p) for p in written)} from {shown(results_path)}")
         return

@@ -572,6 +572,17 @@ def test_an_empty_out_is_refused_before_anything_is_written(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_out_path_with_rich_markup_is_printed_as_text(tmp_path):
+    """--out "a[/]b" crashed lesson 13 with rich's MarkupError after it had trained (a path went
+    into ui.print's markup); [bold] was swallowed. apparatus.results.shown escapes a path for
+    rich: the run ends, and prints the path as typed."""
+    out = tmp_path / "runs[/]x[bold]y"
+    proc = run([PY, "lessons/13_transformer_memory.py", "--steps", "3", "--out", out], check=False, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"wrote {out}/final.pt and {out}/metrics.json" in proc.stdout
+    assert (out / "final.pt").exists()
+
+
 def _with_file_size_limit(tmp_path: Path, limit: int, code: str) -> Path:
     """A script that runs `code` under RLIMIT_FSIZE: a write past `limit` bytes fails as on a
     full disk (EFBIG, "File too large"), for root or not, with no file system to fill."""

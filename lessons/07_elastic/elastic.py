@@ -103,7 +103,7 @@ def read_snapshot(ui, path, fresh: bool, template: dict, steps_per_epoch: int, e
     except Exception as exc:  # truncated, not a torch file, objects weights_only refuses
         problem = f"cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
     if problem:
-        return f"snapshot {shown(path)} {problem}; delete it or pass --fresh to start over"
+        return f"snapshot {shown(path, markup=False)} {problem}; delete it or pass --fresh to start over"
     return snap
 
 

@@ -14,7 +14,7 @@ from moe import AUX_COEF, Setup, aux_loss, moe_model, reference_path
 
 def show_baselines(refs: dict, trained: list, steps: int, ui) -> None:
     """Step 1's runs, each saying whether it was trained now or read from the cache."""
-    folder = shown(reference_path(next(iter(refs)), steps).parent)
+    folder = shown(reference_path(next(iter(refs)), steps).parent, markup=False)
     ui.print(f"one process each, every expert local; the cache: {folder}/", markup=False)  # a path is text
     for setup, ref in refs.items():
         c = ref["counts"]
