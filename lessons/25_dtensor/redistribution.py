@@ -8,8 +8,11 @@ and what each rank's piece of a tensor is.
                                  torch/distributed/tensor/_redistribute.py, transcribed)
     formula_bytes(steps, shape, mesh_shape)
                                  what one rank sends for that plan, by lesson 10's ring shares
-    move_row(...)                one row of Step 3's table (and of metrics.json's redistributions)
-    held(piece, X, parts)        what a rank's piece of X is, in words ("rows 2-3", "X / 4")
+    move_row(...)                one row of metrics.json's redistributions; table_row: as Step 3
+                                 prints it; lowered: a line where gloo ran another collective
+    uneven(X[:7], mesh, ...)     7 rows gathered from 4 ranks: the padding, measured
+    held(piece, X, parts)        what a rank's piece of X is, as the slice of X it equals
+                                 ("X[2:4]", "X[:, 0:2]", "X / 4")
 
 Names: "S(0)" is Shard(0), "R" Replicate(), "P(sum)" Partial() (a pending sum): DTensor's own
 short names (str(Shard(0)) is "S(0)"), so a placement prints as torch prints it.
