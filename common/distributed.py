@@ -222,6 +222,8 @@ def spawn(fn, args: tuple, nprocs: int) -> None:
             start_ranks(_lesson_rank, nprocs, (fn, args), preload=["__main__"])
     except RankFailed as exc:
         code, left = exc.code, "the other ranks were stopped"
+        if exc.kind == "stopped":  # alive but silent: its peers' timeouts are its doing
+            fail(f"{exc}; every rank was ended", code=1)
         if exc.error == "SystemExit" or (exc.kind == "died" and code in (1, 2)):
             # it printed its own one-line error (common.fail) and left
             fail(f"rank {exc.rank} exited with code {code}; {left}",

@@ -217,14 +217,19 @@ def share_terminal_with_children() -> None:
 class RankFailed(Exception):
     """A rank of start_ranks() failed. kind: "raised" (error: the exception's type name, text:
     its message, frames: (file, line) of its traceback, code: a SystemExit's code), "died"
-    (code: the exit code, negative for a signal) or "timeout" (no rank failed, but the run
-    did not end within `seconds`)."""
+    (code: the exit code, negative for a signal), "stopped" (pid: a rank that SIGSTOP or
+    Ctrl-Z stopped, found when another gave up waiting for it) or "timeout" (no rank failed,
+    but the run did not end within `seconds`)."""
 
     def __init__(self, kind: str, rank: int | None, world: int, error: str = "", text: str = "",
-                 frames: tuple = (), code: int | None = None, seconds: float | None = None):
+                 frames: tuple = (), code: int | None = None, seconds: float | None = None,
+                 pid: int | None = None):
         self.kind, self.rank, self.world, self.error, self.text = kind, rank, world, error, text
-        self.frames, self.code, self.seconds = frames, code, seconds
-        if kind == "timeout":
+        self.frames, self.code, self.seconds, self.pid = frames, code, seconds, pid
+        if kind == "stopped":
+            message = (f"rank {rank} (pid {pid}) was stopped (SIGSTOP, or Ctrl-Z) and did not answer: "
+                       f"the others gave up waiting for it")
+        elif kind == "timeout":
             message = f"the {world} ranks did not finish within {seconds:g}s"
         elif kind == "died":
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
@@ -345,6 +350,19 @@ def _stop_fork_server() -> None:
             os.waitpid(pid, 0)
 
 
+def _stopped(procs) -> int | None:
+    """The first rank whose process is stopped (SIGSTOP, Ctrl-Z: Linux's /proc/PID/stat state
+    T). It is alive and silent, so its peers time out and the first of them to say so would
+    otherwise take the blame."""
+    for r, p in enumerate(procs):
+        with contextlib.suppress(OSError, ValueError, IndexError, TypeError):
+            with open(f"/proc/{p.pid}/stat") as f:
+                text = f.read()
+            if text[text.rindex(")") + 2:].split()[0] in ("T", "t"):
+                return r
+    return None
+
+
 def _silent_death(procs, results, spoke: set, wait_s: float = 1.0) -> int | None:
     """The first rank that ended with no word (killed, or exited non-zero without reporting),
     looking for up to wait_s: the fork server hands on a rank's exit status a moment late."""
@@ -432,6 +450,9 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
                     quiet_since = None
                 else:
                     if deadline is not None and time.monotonic() > deadline:
+                        stopped = _stopped(procs)
+                        if stopped is not None:
+                            raise RankFailed("stopped", stopped, world, pid=procs[stopped].pid)
                         raise RankFailed("timeout", None, world, seconds=timeout_s)
                     dead = [r for r, p in enumerate(procs)
                             if p.exitcode is not None and r not in got]
@@ -451,6 +472,9 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
                     dead = _silent_death(procs, results, spoke={*got, rank})
                     if dead is not None:
                         raise RankFailed("died", dead, world, code=procs[dead].exitcode)
+                    stopped = _stopped(procs)  # alive, silent: the one they waited for
+                    if stopped is not None:
+                        raise RankFailed("stopped", stopped, world, pid=procs[stopped].pid)
                     raise RankFailed("raised", rank, world, error, text, frames, code)
                 got[rank] = torch.load(io.BytesIO(payload), weights_only=True)
         finally:

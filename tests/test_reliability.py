@@ -338,6 +338,37 @@ def test_lesson_18_leaves_nothing_in_tmpdir(tmp_path):
         assert not [p.name for p in tmp.iterdir() if p.name.startswith("torchinductor")], flags
 
 
+def _ranks_of(job: "Job") -> list[int]:
+    """The job's ranks: the children of its fork server, in its session."""
+    def parent(pid):
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return int(text[text.rindex(")") + 2:].split()[1])
+    mine = session_pids(job.proc.pid)
+    servers = {p for p in mine if "forkserver" in cmdline(p)}
+    return sorted(p for p in mine if parent(p) in servers)
+
+
+@pytest.mark.parametrize("lesson, training", [("21_context_parallel", "Step 6: Train"),
+                                              ("15_zero_fsdp", "Step 4: Train")])
+def test_a_stopped_rank_is_named_not_the_one_that_waited(tmp_path, cleanup, lesson, training):
+    """SIGSTOP of one rank mid-training: the other timed out waiting for it and took the blame
+    ("rank 0 failed with ... Timed out"). start_ranks looks for a stopped rank when another
+    gives up, and names it, with its pid; nothing is left running."""
+    job = Job([PY, f"lessons/{lesson}.py", "--steps", "100000", "--timeout", "5", "--out", tmp_path / "o"],
+              tmp_path, "a", forked=False)  # a new Python: its ranks are its fork server's children
+    cleanup.append(job)
+    job.wait_for(training, timeout=180)
+    ranks = _ranks_of(job)
+    assert len(ranks) == 2, ranks
+    victim = ranks[1]
+    os.kill(victim, signal.SIGSTOP)
+    assert job.wait(60) == 1
+    line = one_error_line(subprocess.CompletedProcess([], 1, "", job.stderr()))
+    assert f"(pid {victim}) was stopped (SIGSTOP, or Ctrl-Z) and did not answer" in line, line
+    assert "rank 0 failed" not in line
+    assert not gone_within(set(ranks), 5)
+
+
 def test_lesson_05_parent_killed_with_sigkill_takes_its_ranks(tmp_path, cleanup):
     job = Job([PY, "lessons/05_ddp_spawn.py", "--epochs", "400", "--out", tmp_path / "o"],
               tmp_path, "a")

@@ -143,6 +143,8 @@ def run_world(world: int, target, args: tuple, learner: Path) -> list:
         if failed.kind == "timeout":
             raise NotYet(f"the {world} ranks did not finish within {WORLD_TIMEOUT_S}s: "
                          f"does a rank wait for a message that never comes?") from None
+        if failed.kind == "stopped":
+            raise NotYet(f"with {world} ranks, {failed}") from None
         if failed.kind == "died":
             raise NotYet(f"with {world} ranks, rank {failed.rank} died (exit code "
                          f"{failed.code}) without an error message") from None
