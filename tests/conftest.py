@@ -158,7 +158,11 @@ def run_lesson(number: str, *args, timeout: float = 120, check: bool = True,
 
 
 def load_run(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """final.pt (loaded the safe way) and metrics.json of one lesson run."""
+    """final.pt (loaded the safe way) and metrics.json of one lesson run, which must be a pair
+    of one run (a kill between save_results' two renames leaves a new final.pt beside the
+    old metrics.json: apparatus.results.matching_pair finds it)."""
+    from apparatus.results import matching_pair
+    assert matching_pair(folder), f"{folder}: final.pt is not the one its metrics.json names"
     state = torch.load(Path(folder) / "final.pt", weights_only=True)
     metrics = json.loads((Path(folder) / "metrics.json").read_text())
     return state, metrics

@@ -593,6 +593,22 @@ def test_a_full_disk_is_one_line(tmp_path, capsys):
     assert not list(tmp_path.iterdir())  # no temporary file left
 
 
+def test_a_pair_from_two_runs_is_found_by_whoever_reads_it(tmp_path):
+    """Lesson 13 killed between save_results' two renames: its new final.pt beside the earlier
+    run's metrics.json. metrics.json names its final.pt's sha256; the tests read every run
+    through load_run, which checks the pair (matching_pair), as tools/gpu_check.py does."""
+    from apparatus.results import matching_pair, save_results
+    from conftest import load_run
+    first, second = tmp_path / "first", tmp_path / "second"
+    save_results(first, {"w": torch.ones(3)}, {"lesson": "13"})
+    save_results(second, {"w": torch.zeros(3)}, {"lesson": "13"})
+    assert matching_pair(first) and load_run(first)[1]["lesson"] == "13"
+    shutil.copy(second / "final.pt", first / "final.pt")  # the first rename done, the second not
+    assert not matching_pair(first)
+    with pytest.raises(AssertionError, match="final.pt is not the one its metrics.json names"):
+        load_run(first)
+
+
 def test_an_empty_out_is_refused_before_anything_is_written(tmp_path):
     """`--out ""` wrote final.pt, metrics.json and .lock into the current folder (lesson 24):
     every lesson's out_dir refuses it (and "."), in one line, before anything is written."""
