@@ -315,7 +315,7 @@ def _end_descendants(pgid: int | None) -> None:
     subreaper, every orphan below us became our child: a daemon cannot slip away. Without
     /proc (not Linux): the answer's process group (it made its own session)."""
     if not os.path.isdir("/proc"):
-        if pgid:
+        if pgid and hasattr(os, "killpg"):
             with contextlib.suppress(OSError):
                 os.killpg(pgid, signal.SIGKILL)
         _reap()
@@ -341,6 +341,9 @@ def _end_descendants(pgid: int | None) -> None:
 
 
 def _reap() -> None:
+    """Collect the exit status of every child that has ended (they were adopted by us)."""
+    if not hasattr(os, "WNOHANG"):
+        return
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0] > 0:
             pass
@@ -415,8 +418,9 @@ def _answer(folder: Path) -> None:
 
     from common.processes import set_parent_death_signal
 
-    with contextlib.suppress(OSError):
-        os.setsid()  # a session of our own: the keeper can end its process group where /proc is missing
+    if hasattr(os, "setsid"):  # a session of our own: the keeper ends its process group where /proc is missing
+        with contextlib.suppress(OSError):
+            os.setsid()
     set_parent_death_signal()  # the keeper dies: so do we
     spec = torch.load(folder / "spec.pt", weights_only=True)
     sys.path.insert(0, str(CHECKS_DIR))
