@@ -130,7 +130,7 @@ def test_propagation_gives_each_output_its_placement_and_redistributes_only_wher
         ("softmax(x, -1)", ("S(1)",), "R", f"all_gather of {x_bytes:,} bytes"),
         ("softmax(x, -1)", ("P(sum)",), "R", f"all_reduce of {x_bytes:,} bytes"),
         ("x + 1", ("P(sum)",), "R", f"all_reduce of {x_bytes:,} bytes"), ("2 * x", ("P(sum)",), "P(sum)", "none")]
-    assert max(p["gap"] for p in metrics["propagation"]) <= 1e-5
+    assert max(p["gap"] for p in metrics["propagation"]) <= 1e-4  # x @ w is about 8: rounding
 
 
 def test_the_pieces_of_a_partial_lie_and_dtensors_own_reductions_do_not(lesson):
@@ -157,7 +157,7 @@ def test_local_tensor_mode_computes_the_gloo_ranks_values_in_one_process(lesson)
     out, _, metrics, _ = lesson
     results = len(metrics["one_process_gaps"]) + len(metrics["mistake_gaps"])
     assert metrics["local_tensor_pieces_compared"] == WORLD * results
-    assert metrics["local_tensor_max_abs_diff_vs_gloo"] <= 1e-5
+    assert metrics["local_tensor_max_abs_diff_vs_gloo"] <= 1e-4  # sums in another order, values up to 90
     simulated = {(r["from"], r["to"]): r for r in metrics["local_tensor_redistributions"]}
     for row in metrics["redistributions"]:  # the same plan; where gloo lowers it, the all-to-all runs
         twin = simulated[(row["from"], row["to"])]
@@ -170,7 +170,8 @@ def test_local_tensor_mode_computes_the_gloo_ranks_values_in_one_process(lesson)
 
 def test_every_result_equals_one_process_and_the_mistake_does_not(lesson):
     out, _, metrics, _ = lesson
-    assert metrics["max_abs_diff_vs_one_process"] <= 1e-5
+    assert metrics["max_abs_diff_vs_one_process"] <= 1e-4  # values up to about 90: a few float32 steps
+    assert metrics["max_relative_diff_vs_one_process"] <= 1e-6  # of each result's largest value
     assert max(metrics["one_process_gaps"].values()) == metrics["max_abs_diff_vs_one_process"]
     assert min(metrics["mistake_gaps"].values()) > 0.01
     assert f"{len(metrics['one_process_gaps'])} results against one process" in out

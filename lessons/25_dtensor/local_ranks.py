@@ -79,10 +79,17 @@ class Values:
         if mistake:
             self.mistakes.add(name)
 
-    def gap_to_one_process(self, mistakes: bool = False) -> dict[str, float]:
-        """|full - one process|, largest, per result: the right ones, or (mistakes=True) the wrong."""
-        return {name: (self.full[name].double() - self.one_process[name].double()).abs().max().item()
-                for name in self.full if (name in self.mistakes) == mistakes}
+    def gap_to_one_process(self, mistakes: bool = False, relative: bool = False) -> dict[str, float]:
+        """max |full - one process| per result: the right ones, or (mistakes=True) the wrong.
+        relative=True: divided by the result's largest |value| (at least 1), so that one float32
+        rounding step of a value near 90 (7.6e-6) reads as what it is, about 1e-7."""
+        out = {}
+        for name in self.full:
+            if (name in self.mistakes) == mistakes:
+                one = self.one_process[name].double()
+                gap = (self.full[name].double() - one).abs().max().item()
+                out[name] = gap / max(1.0, one.abs().max().item()) if relative else gap
+        return out
 
 
 def largest_gap(a: Values, b: Values) -> tuple[float, int, str]:
