@@ -35,8 +35,8 @@ def lesson_path(number: str) -> Path:
 
 # What `make lesson-NN [STEP=1] ARGS=...` runs (the Makefile's lesson-% rule): .venv/bin/python,
 # the lesson's launcher where it has one (RUN_06, RUN_07), the lesson file, --step, ARGS.
-# tests/test_step_mode.py ties it to the rule. Run through conftest.run, it is forked from the
-# test zygote, and so is every Python it starts (tests/zygote.py); through make, each is new.
+# tests/test_step_mode.py ties it to the rule. Run through conftest.run, the command itself is
+# forked from the test zygote (tests/zygote.py); every Python it starts is new, as through make.
 LAUNCHERS = dict(re.findall(r"^RUN_(\d\d) := (.*)$", (ROOT / "Makefile").read_text(), re.M))
 
 
@@ -84,17 +84,24 @@ def _zygote():
 
 
 def described(pid: int) -> tuple[list[str], dict] | None:
-    """A process's command line and environment as a new Python's would be, also for a command
-    forked from the test zygote (whose /proc/PID/cmdline and environ are the zygote's)."""
-    from zygote import described as of
-    return of(pid, _ZYGOTE[0].registry if _ZYGOTE else None)
+    """A process's command line and environment, from /proc; None when it is gone or not ours
+    to read. (A command forked from the test zygote shows the zygote's: tests/zygote.py. The
+    Pythons it starts, ranks, agents and workers, are new and show their own.)"""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return ([os.fsdecode(a) for a in cmdline],
+            dict(os.fsdecode(e).split("=", 1) for e in environ if b"=" in e))
 
 
 def run(cmd: list[str], timeout: float = 120, env: dict | None = None,
         check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """Run a command from the repository root; fail the test (not hang) after `timeout` s.
     `python script.py ...` runs in a child of the zygote (tests/zygote.py): a process of its
-    own, as with subprocess.run, that does not import torch again."""
+    own, as with subprocess.run, that does not import torch again (what differs from a new
+    Python is listed there)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", **(env or {})}
     if _zygote().usable(cmd, full_env, kwargs, cwd=ROOT):  # forked, torch already imported
         proc = _zygote().run(cmd, cwd=ROOT, env=full_env, timeout=timeout)
@@ -189,6 +196,17 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def _ignored_signals() -> list[int]:
+    """The signals this process ignores: what a process it starts inherits (across exec too)."""
+    import signal
+    out = []
+    for sig in signal.valid_signals():
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(sig) == signal.SIG_IGN and sig not in (signal.SIGPIPE, signal.SIGXFSZ):
+                out.append(int(sig))
+    return out
+
+
 @pytest.fixture(autouse=True)
 def no_signal_left_ignored():
     """A test that runs lesson code in this process must not leave a signal ignored or
@@ -196,7 +214,6 @@ def no_signal_left_ignored():
     left SIGTERM ignored, and a later test's child could not be stopped by it)."""
     import signal
 
-    from zygote import _ignored_signals  # what a new Python would inherit as ignored
     ignored, blocked = set(_ignored_signals()), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
     now_ignored, now_blocked = set(_ignored_signals()), signal.pthread_sigmask(signal.SIG_BLOCK, [])

@@ -1,10 +1,10 @@
 """Lesson 06: the same script under two simulated nodes, plain torchrun, and plain python.
 
-Every command here is forked from the test zygote, and so is every Python it starts: the
-agents tools/nodes.py starts and the workers each agent starts (tests/zygote.py), instead of
-a new Python importing torch for each (about 6 CPU s apiece). Beyond make lesson-06's own
-command (2 nodes x 2 workers, the Makefile's RUN_06) the jobs are as small as their claim
-allows: plain torchrun with 2 workers, the crash with one worker per node."""
+Each `python ...` command here is forked from the test zygote (tests/zygote.py); the agents
+tools/nodes.py starts and the workers each agent starts are new Pythons, as on a learner's
+machine (about 3 CPU s of imports apiece). Beyond make lesson-06's own command (2 nodes x 2
+workers, the Makefile's RUN_06) the jobs are as small as their claim allows: plain torchrun
+with 2 workers, the crash with one worker per node."""
 import sys
 import time
 from pathlib import Path
@@ -29,7 +29,7 @@ def left_in(tmp_path: Path) -> list[str]:
 
 
 def test_make_lesson_06_runs_two_nodes_and_matches_one_device(tmp_path, reference_3_epochs):
-    # make lesson-06's command, forked from the test zygote with every Python it starts
+    # make lesson-06's command (the agents and workers it starts are new Pythons)
     proc = run(make_command("06", "--out", tmp_path / "out"), timeout=240, env=own_tmpdir(tmp_path))
     assert left_in(tmp_path) == []
     assert not (tmp_path / "out" / "nodes" / "tmp").exists()
@@ -44,7 +44,7 @@ def test_make_lesson_06_runs_two_nodes_and_matches_one_device(tmp_path, referenc
 
 
 def test_plain_torchrun_standalone_and_plain_python(tmp_path):
-    # the agent is forked from the test's zygote (python -m ...), and its 2 workers from it
+    # the agent is forked from the test's zygote (python -m ...); its 2 workers are new Pythons
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          LESSON, "--epochs", "1", "--out", tmp_path / "tr"], timeout=180,
         env=own_tmpdir(tmp_path))  # its torchelastic_... folder lands there, not in /tmp

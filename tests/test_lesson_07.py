@@ -1,11 +1,10 @@
 """Lesson 07: restarts after a failure, atomic snapshots, exact mid-epoch resume.
 
-Every command here is forked from the test zygote (conftest.run), and so is every Python it
-starts: tools/nodes.py's agent and each attempt's workers (tests/zygote.py), instead of a
-new Python importing torch for each (about 6 CPU s apiece). make lesson-07 runs the
-Makefile's own command (RUN_07); the job killed from outside runs tools/nodes.py through
-conftest.run in a thread, and finds its victim with conftest.described (a forked worker's
-/proc/PID/cmdline is the zygote's)."""
+Each `python ...` command here is forked from the test zygote (conftest.run, tests/zygote.py);
+tools/nodes.py's agent and each attempt's workers are new Pythons, as on a learner's machine.
+make lesson-07 runs the Makefile's own command (RUN_07); the job killed from outside runs
+tools/nodes.py through conftest.run in a thread, and finds its victim worker by its
+/proc/PID/cmdline and environ (conftest.described)."""
 import json
 import os
 import re
@@ -48,7 +47,7 @@ def assert_every_sample_once_in_lesson_01_order(folder, epochs=recipe.EPOCHS):
 def uninterrupted(tmp_path_factory):
     """A 2-worker elastic job with no failure: what an interrupted run must equal. Plain
     torchrun --standalone (c10d rendezvous, like tools/nodes.py --elastic): the same 2
-    workers and data shards, and its agent is forked from the zygote, not a new Python."""
+    workers and data shards; its agent is forked from the zygote, its workers are new."""
     folder = tmp_path_factory.mktemp("uninterrupted")
     tmpdir = tmp_path_factory.mktemp("uninterrupted_tmp")  # the agent's torchelastic_... folder
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -76,7 +75,7 @@ def left_snapshot(tmp_path_factory):
 def test_make_lesson_07_fails_once_restarts_and_resumes_exactly(tmp_path, reference_3_epochs,
                                                                uninterrupted):
     start = time.time()
-    # make lesson-07's command, forked from the test zygote with every Python it starts
+    # make lesson-07's command (its agent's workers are new Pythons)
     proc = run(make_command("07", "--out", tmp_path), timeout=180)
     elapsed = time.time() - start
     state, metrics = load_run(tmp_path)
