@@ -30,6 +30,7 @@ import json
 import math
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -190,7 +191,10 @@ def train(ui, rank, world_size, args, fault, folder, store, check_ins) -> None:
     per_rank = recipe.GLOBAL_BATCH // world_size
     rows = torch.empty(per_rank, recipe.FEATURES + 1)  # a rank's x, and y as a last column
     losses, timer = [], Timer()
-    threading.Thread(target=watchdog, args=(rank, store, args.timeout * SUSPECT_AT, folder), daemon=True).start()
+    training = threading.Event()  # the watchdog watches while it is set: training only
+    training.set()
+    threading.Thread(target=watchdog, args=(rank, store, args.timeout * SUSPECT_AT, folder, training),
+                     daemon=True).start()
     with ui.progress(args.steps, f"training on {world_size} ranks") as bar:
         for step in range(args.steps):
             if fault.fires(rank, step):
@@ -238,6 +242,7 @@ def train(ui, rank, world_size, args, fault, folder, store, check_ins) -> None:
             ui.log(1, step + 1, args.steps, losses[-1], timer.rate((step + 1) * recipe.GLOBAL_BATCH))
             if not go_on.item():
                 break
+    training.clear()  # what follows (rank 0 saving while the others wait) is slow, not stuck
     accuracy = torch.cat(gathered).float().mean().item()
 
     # The healthy end, as lesson 20's: everyone checks in, every rank keeps its recorder,
@@ -257,14 +262,14 @@ def train(ui, rank, world_size, args, fault, folder, store, check_ins) -> None:
     teardown()
 
 
-def watchdog(rank: int, store, suspect_after: float, folder: Path) -> None:
-    """A thread in every rank: NCCL's watchdog, by hand for gloo. Ten times a second it reads
-    this rank's own flight recorder: a collective enqueued but not completed for longer than
-    suspect_after is a suspected hang, told to the launcher through the store. When the
-    launcher has taken the stacks, it dumps the recorder, while the collective still waits."""
+def watchdog(rank: int, store, suspect_after: float, folder: Path, training: threading.Event) -> None:
+    """A thread in every rank: NCCL's watchdog, by hand for gloo. Ten times a second, while
+    training, it reads this rank's own flight recorder: a collective enqueued but not completed
+    for longer than suspect_after is a suspected hang, told to the launcher through the store.
+    When the launcher has taken the stacks, it dumps the recorder, while the collective still waits."""
     c10d = torch._C._distributed_c10d  # private, as lesson 20 says: what the watchdog and fr_trace use
     since, told, dumped = None, False, False
-    while True:
+    while training.is_set():
         status = json.loads(c10d._dump_fr_trace_json(False, False))["pg_status"].get("0", {})
         enqueued = int(status.get("last_enqueued_collective", -1))
         completed = int(status.get("last_completed_collective", -1))
@@ -372,8 +377,9 @@ class Watch(threading.Thread):
             try:
                 out = subprocess.run([self.pyspy, "dump", "--pid", str(pid)], capture_output=True,
                                      text=True, timeout=5)
-                why = [line.strip() for line in out.stderr.splitlines() if line.strip()][:4]
-                text = out.stdout if out.returncode == 0 else f"py-spy failed: {' '.join(why)}"
+                why = [re.sub(r"^(Error|\d+):\s*", "", line.strip()) for line in out.stderr.splitlines()
+                       if line.strip() and line.strip() != "Caused by:"]
+                text = out.stdout if out.returncode == 0 else f"py-spy failed: {': '.join(why[:2])}"
             except (subprocess.TimeoutExpired, OSError) as exc:
                 text = f"py-spy failed: {exc}"
             atomic_write(self.folder / f"pyspy_rank_{rank}.txt", lambda f: f.write(text.encode()))
@@ -407,7 +413,8 @@ def read_back(ui, args, fault, folder, store, watch, launcher_line: str, ended: 
     # faulthandler's stacks (and py-spy's, where installed), taken while the job hung: where
     # each rank's main thread was, innermost call first.
     ui.step(7, "Read every rank's stack")
-    hang_report.stacks(ui, evidence, watch.pyspy, taken=store.check([f"{KEY}stacks-taken"]))
+    suspected = any(store.check([f"{KEY}suspect/{r}"]) for r in range(args.world_size))
+    hang_report.stacks(ui, evidence, watch.pyspy, taken=store.check([f"{KEY}stacks-taken"]), late=not suspected)
 
     # Step 8: Name the culprit
     # The verdict comes from the evidence alone (hang_evidence.diagnose); the planted fault is

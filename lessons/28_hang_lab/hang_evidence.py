@@ -15,6 +15,7 @@ Plain data throughout: a dump is unpickled with every class refused, and written
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import pickle
@@ -41,16 +42,21 @@ class _PlainData(pickle.Unpickler):
 
 def where(file: str, line: int) -> str:
     """A frame's place as the learner reads it: relative to the repository when inside it."""
-    path = Path(file).resolve()
+    return f"{_shown_file(file)}:{line}"
+
+
+@functools.lru_cache(maxsize=None)
+def _shown_file(file: str) -> str:
+    path = Path(file).resolve()  # once per file: a dump has thousands of frames, a few files
     if "site-packages" in path.parts:  # torch's own files: from the package on
-        return f"{'/'.join(path.parts[path.parts.index('site-packages') + 1:])}:{line}"
+        return "/".join(path.parts[path.parts.index("site-packages") + 1:])
     python = re.split(r"/lib/python3\.\d+/", path.as_posix())
     if len(python) > 1:  # Python's own files: threading.py, queue.py
-        return f"{python[-1]}:{line}"
+        return python[-1]
     try:
-        return f"{path.relative_to(ROOT).as_posix()}:{line}"
+        return path.relative_to(ROOT).as_posix()
     except ValueError:
-        return f"{file}:{line}"
+        return file
 
 
 def dump_as_json(raw: bytes) -> str:
@@ -260,9 +266,10 @@ def diagnose(ev: Evidence) -> dict | None:
     answers nothing (no dump, no stack); a rank alive but absent from the check-in (stuck
     outside any collective: only its stack knows where); then the recorders side by side."""
     for rank, (message, frames) in sorted(ev.aborts.items()):
+        check = re.search(r"\] (.*?expected size)", message)
         return {"kind": "crashed", "rank": rank, "operation": call_made(frames or []),
                 "where": ours(frames or []),
-                "because": f"rank {rank}'s log: gloo aborted it ({message.split('] ', 1)[-1][:90]}); "
+                "because": f"rank {rank}'s log: gloo aborted it ({check[1] if check else plain(message)[:100]}); "
                            f"its stack, printed by faulthandler as it died, is in that call"}
     waiting = {r: collectives(d)[last_seq(d)] for r, d in ev.dumps.items() if last_seq(d) is not None}
     gone = [r for r in range(ev.world) if r not in ev.dumps and not ev.stacks.get(r)]

@@ -28,7 +28,7 @@ def timeline(ui, store, key: str, world: int, events: list, started: float | Non
             lines.append((when, f"rank {rank}'s watchdog: {what} has waited {waited:.1f}s: a suspected hang"))
         if store.check([f"{key}failed/{rank}"]):
             when, message = json.loads(store.get(f"{key}failed/{rank}"))
-            lines.append((when, f"rank {rank}'s collective failed: {hang_evidence.plain(message)[:110]}"))
+            lines.append((when, f"rank {rank}'s collective failed: {hang_evidence.plain(message).split('. ')[0][:110]}"))
     if not lines and started is None:
         ui.print("no watchdog fired and no collective failed: the job ran to its end")
         return lines
@@ -93,12 +93,16 @@ def check_ins(ui, ev: hang_evidence.Evidence, hung: bool) -> None:
         ui.print("every rank checked in" + (": all were alive, each waiting in a collective" if hung else ""))
 
 
-def stacks(ui, ev: hang_evidence.Evidence, pyspy: str | None, taken: bool) -> None:
-    """Step 7: each rank's main thread, by faulthandler and by py-spy."""
+def stacks(ui, ev: hang_evidence.Evidence, pyspy: str | None, taken: bool, late: bool) -> None:
+    """Step 7: each rank's main thread, by faulthandler and by py-spy. late: the stacks were
+    taken after a collective had failed (no watchdog suspected anything first)."""
     if not taken:
         ui.print("no stack was taken: no watchdog suspected a hang. Take one yourself while a job runs: "
                  "kill -USR1 <pid> (the world table's pids), then read runs/lesson-28/stack_rank_<N>.txt")
         return
+    if late:
+        ui.print("no watchdog suspected a hang first: a collective failed at once, so these stacks show "
+                 "the ranks after it failed, not where anything waited")
     for rank in range(ev.world):
         frames = ev.stacks.get(rank)
         if rank in ev.aborts:
@@ -119,7 +123,7 @@ def stacks(ui, ev: hang_evidence.Evidence, pyspy: str | None, taken: bool) -> No
         if not text:
             continue
         if text.startswith("py-spy failed"):
-            ui.print(f"py-spy, rank {rank}: {escape(text[:160])}")
+            ui.print(f"py-spy, rank {rank}: {escape(text[:110])}")
             continue
         main = text.split('"MainThread"', 1)[-1].splitlines()[1:]
         mine = next((line.strip() for line in main if "lessons/" in line or "28_hang_lab" in line), "?")

@@ -7,4 +7,4 @@ WORLD_SIZE = 3
 
 RANK = 1
 OPERATION = "Queue.get"
-WHERE = "lessons/28_hang_lab.py:212"
+WHERE = "lessons/28_hang_lab.py:216"
