@@ -3,11 +3,11 @@
 Every --hang name runs for real once, as a subprocess of the lesson (the mystery through
 `make lesson-28`, as a learner types it), four jobs at a time, shared by every test (module
 fixture): each must end, non-zero, within --timeout plus the lesson's bound, with one last line
-naming the culprit, the diagnosis in metrics.json equal to the planted truth, and no process
-left behind. One more job is stopped with SIGTERM while a rank is frozen. Then the reading of
-the evidence is tested in-process on the files those runs left: the ranks relabelled (the
-culprit on rank 0 or 2), the check-ins, the stacks, the dump's refusal to build anything but
-plain data, the mystery's draw and check-28's hints.
+naming the culprit, the diagnosis in metrics.json equal to the planted truth, no process
+left behind and nothing left in its own $TMPDIR. One more job is stopped with SIGTERM while a
+rank is frozen. Then the reading of the evidence is tested in-process on the files those runs
+left: the ranks relabelled (the culprit on rank 0 or 2), the check-ins, the stacks, the dump's
+refusal to build anything but plain data, the mystery's draw and check-28's hints.
 """
 from __future__ import annotations
 
@@ -40,17 +40,26 @@ HANGS = ["order", "skip", "die", "shapes", "p2p"]  # + stuck, through make (the 
 MYSTERY = hang_faults.mystery(0, 3, 8)
 
 
+def _own_tmpdir(folder: Path) -> Path:
+    """An empty $TMPDIR for one job: whatever the lesson leaves there (a fork server's
+    pymp-* folder after a killed job) is seen by the tests."""
+    tmp = folder.with_name(f"{folder.name}_tmp")
+    tmp.mkdir()
+    return tmp
+
+
 def _job(name: str, folder: Path) -> dict:
+    tmp = _own_tmpdir(folder)
     if name == "mystery":
         cmd = ["make", "-s", "lesson-28", f"ARGS=--hang mystery --out {folder}"]
     else:
         cmd = [sys.executable, str(lesson_path("28")), "--out", str(folder), *FLAGS,
                *([] if name == "healthy" else ["--hang", name])]
-    rc, lines, err = run_with_line_times(cmd, timeout=400, env={"COLUMNS": "120"})
+    rc, lines, err = run_with_line_times(cmd, timeout=400, env={"COLUMNS": "120", "TMPDIR": str(tmp)})
     out = "".join(line for _, line in lines[:-1])
     pids = [int(p) for p in re.findall(r"│ \d+\s+│ \d+\s+│ \S+\s+│ (\d+)", out)]
     return {"rc": rc, "lines": lines, "out": out, "err": err, "folder": folder, "pids": pids,
-            "alive_after": [p for p in pids if _alive(p)]}
+            "alive_after": [p for p in pids if _alive(p)], "left_in_tmp": sorted(p.name for p in tmp.iterdir())}
 
 
 def _state(pid: int) -> str | None:
@@ -67,7 +76,8 @@ def _alive(pid: int) -> bool:
 
 def _stopped(folder: Path) -> dict:
     """--hang die, and SIGTERM to the launcher once rank 1 has frozen itself (state T)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
+    tmp = _own_tmpdir(folder)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", "TMPDIR": str(tmp)}
     proc = subprocess.Popen([sys.executable, str(lesson_path("28")), "--hang", "die", "--hang-step", "1",
                              "--out", str(folder)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -88,7 +98,7 @@ def _stopped(folder: Path) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
     time.sleep(0.5)
     return {"rc": code, "err": err, "pids": pids, "frozen": frozen, "folder": folder,
-            "alive_after": [p for p in pids if _alive(p)]}
+            "alive_after": [p for p in pids if _alive(p)], "left_in_tmp": sorted(p.name for p in tmp.iterdir())}
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +135,7 @@ def test_each_hang_ends_in_its_bound_and_is_named(runs, name):
                     f"({found['diagnosis']['kind']}); the job ended {found['ended_after_seconds']:g}s "
                     f"after the hang began"), last
     assert "Traceback" not in run["err"] and len(run["pids"]) == 3 and not run["alive_after"], run["pids"]
+    assert not run["left_in_tmp"], run["left_in_tmp"]
     assert not (run["folder"] / "final.pt").exists()
 
 
@@ -154,7 +165,7 @@ def test_every_hang_shows_the_evidence_that_names_it(runs):
 
 def test_the_mystery_through_make_prints_evidence_and_no_verdict(runs):
     run = runs["mystery"]
-    assert run["rc"] != 0 and not run["alive_after"], run["err"][-3000:]
+    assert run["rc"] != 0 and not run["alive_after"] and not run["left_in_tmp"], run["err"][-3000:]
     found = metrics(run)
     assert found["hang"] == "mystery" and found["diagnosis"] is None and found["truth"] is None
     assert found["ended_after_seconds"] <= TIMEOUT + BOUND
@@ -176,7 +187,7 @@ def test_a_healthy_job_agrees_everywhere_and_saves(runs):
     assert run["rc"] == 0, run["err"][-3000:]
     found = metrics(run)
     assert found["hang"] is None and found["steps"] == 4 and len(found["losses"]) == 4
-    assert (run["folder"] / "final.pt").exists() and not run["alive_after"]
+    assert (run["folder"] / "final.pt").exists() and not run["alive_after"] and not run["left_in_tmp"]
     assert re.search(r"every rank recorded the same \d+ collectives, in the same order, all completed", run["out"])
     assert "no stack was taken" in run["out"] and "no watchdog fired" in run["out"]
     assert [int(n) for n in re.findall(r"^Step (\d+):", run["out"], re.M)] == list(range(1, 9))
@@ -193,7 +204,7 @@ def test_sigterm_during_a_frozen_rank_stops_every_process(runs):
     run = runs["sigterm"]
     assert run["frozen"] == "T" and run["rc"] == 143, run
     assert "interrupted (SIGTERM): every rank was stopped" in run["err"], run["err"]
-    assert len(run["pids"]) == 3 and not run["alive_after"]
+    assert len(run["pids"]) == 3 and not run["alive_after"] and not run["left_in_tmp"], run["left_in_tmp"]
     assert not (run["folder"] / "metrics.json").exists() and not (run["folder"] / "final.pt").exists()
 
 
