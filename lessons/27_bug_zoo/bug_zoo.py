@@ -80,15 +80,32 @@ def catch(bug, rank, world, seed, device, run):
     and the first divergence; for a bug the oracle does not catch at step 1, the named check's
     evidence (measured by the bug's own run) and no rows."""
     if bug.CAUGHT_BY != "oracle":
-        return ({"rows": [], "first": None, "evidence": run.evidence} if rank == 0 else None)
+        return ({"rows": [], "first": None, "evidence": run.evidence, "pitfall": None} if rank == 0 else None)
     twin = bug.train(rank, world, "bug", steps=RECORDED_STEP, seed=seed, device=device,
                      dtype=torch.float64, record=(RECORDED_STEP,))
+    naive = None
+    if hasattr(bug, "TWIN_PITFALL"):  # a second twin, built as TWIN_PITFALL says: see pitfall_of_the_twin
+        naive = bug.train(rank, world, "bug", steps=RECORDED_STEP, seed=seed, device=device,
+                          dtype=torch.float64, record=(RECORDED_STEP,), **bug.TWIN_PITFALL)
     if rank != 0:
         return None
     reference = {dtype: baseline(bug, RECORDED_STEP, seed, dtype, (RECORDED_STEP,))[2]
                  for dtype in (torch.float32, torch.float64)}
     rows, first = zoo_kit.oracle(reference[torch.float32], reference[torch.float64], run.recording, twin.recording)
-    return {"rows": rows, "first": first, "evidence": run.evidence}
+    pitfall = pitfall_of_the_twin(reference, run, rows, naive) if naive is not None else None
+    return {"rows": rows, "first": first, "evidence": run.evidence, "pitfall": pitfall}
+
+
+def pitfall_of_the_twin(reference, run, rows, naive):
+    """The oracle again, on the same run, with a float64 twin that took another path (gloo-avg:
+    FSDP2's own reduce dtype, float64, which never asks gloo for AVG): a twin without the bug.
+    Its distance from the run is the bug, and the floor takes it in."""
+    again = {**run.recording, "rounding": {}}  # the same entries, their rounding measured anew
+    fooled, first = zoo_kit.oracle(reference[torch.float32], reference[torch.float64], again, naive.recording)
+    widest = max(fooled, key=lambda r: r["floor"])
+    same = next(r for r in rows if r["key"] == widest["key"])
+    return {"verdict": parity_oracle.verdict_line(fooled), "first": parity_oracle.divergence_metrics(first),
+            "entry": widest["name"], "floor": widest["floor"], "floor_with_the_bug": same["floor"]}
 
 
 def fix(bug, rank, world, steps, seed, device, base):
@@ -107,6 +124,7 @@ def row(bug, symptom: dict, caught: dict, fixed: dict) -> dict:
             "symptom_max_abs_diff": symptom["max_abs_diff"], "symptom_max_loss_diff": symptom["max_loss_diff"],
             "caught_by": "lesson 26's oracle" if bug.CAUGHT_BY == "oracle" else bug.CAUGHT_BY,
             "first_divergence": first, "evidence": {**symptom["evidence"], **caught["evidence"]},
+            "twin_pitfall": caught["pitfall"],
             "fixed_max_abs_diff": fixed["max_abs_diff"], "fixed_max_loss_diff": fixed["max_loss_diff"],
             "fixed_evidence": fixed["evidence"],
             "losses": {"baseline": symptom["baseline_losses"], "bug": symptom["losses"], "fixed": fixed["losses"]}}
@@ -156,6 +174,12 @@ def caught_lines(bug, caught: dict, hidden: bool, world: int) -> list[str]:
     first = caught["first"]
     if first is not None and first["pass"] == "backward" and abs(first["norm_ratio"] - world) < 1e-3:
         lines.append(f"  |B| / |A| = {first['norm_ratio']:.3f} on {world} ranks: a sum where a mean was meant")
+    pitfall = caught["pitfall"]
+    if pitfall is not None and not hidden:
+        lines += [f"  had its float64 twin reduced in float64 (FSDP2's default), the twin would not have the bug: "
+                  f"{escape(pitfall['verdict'])}",
+                  f"  ... because the floor took the bug in: {pitfall['floor']:.1e} at {pitfall['entry']}, where the "
+                  f"twin with the bug measures {pitfall['floor_with_the_bug']:.1e}"]
     return lines
 
 
@@ -168,13 +192,14 @@ def fixed_lines(bug, fixed: dict) -> list[str]:
         [f"  {escape(line)}" for line in bug.evidence_lines(fixed["evidence"])]
 
 
-TABLE_COLUMNS = ["bug", "upstream", "symptom", "caught by", "fixed"]
+TABLE_COLUMNS = ["bug", "upstream", "symptom", "the oracle's first divergence", "fixed"]
 
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
     """Step 5's table, from metrics.json's rows: symptom and fixed are max |w - w_baseline|."""
     def caught(r):
         first = r["first_divergence"]
-        return (f"oracle: {first['pass']} {first['module']}" if first else r["caught_by"].split(":")[0])
-    return [[r["name"], r["upstream"].split(" ")[0], f"{r['symptom_max_abs_diff']:.1e}", caught(r),
+        return (f"{first['step']}, {first['pass']}, {first['module']}" if first
+                else f"none: {r['caught_by'].split(':')[0]}")
+    return [[r["name"], r["upstream"].split(" (")[0], f"{r['symptom_max_abs_diff']:.1e}", caught(r),
              f"{r['fixed_max_abs_diff']:.1e}"] for r in rows]

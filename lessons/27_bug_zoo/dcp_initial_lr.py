@@ -8,8 +8,7 @@ patching initial_lr". fegin explained: it is saved, but DCP loads into the state
 new optimizer, whose param_groups have no initial_lr unless a scheduler created it, so DCP does
 not load it; a scheduler built with last_epoch != -1 does not insert it and raises instead. His
 answer: build the scheduler with last_epoch=-1, and save the scheduler's own state_dict too, so
-that last_epoch comes back as well (torchtitan checkpoints its schedulers). Closed with a
-documentation fix.
+that last_epoch comes back as well (torchtitan checkpoints its schedulers). The issue is closed.
 
 Re-created as a job that trains FSDP2 with a learning-rate schedule (warm-up, then cosine),
 saves with DCP half-way (model and optimizer, as the issue's test case), restarts (a new model

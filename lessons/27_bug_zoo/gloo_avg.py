@@ -1,8 +1,8 @@
 """Zoo bug gloo-avg: FSDP2 asked gloo to average its gradients, and gloo summed them.
 
 pytorch/pytorch#162338, "Incorrect AVG reduction for GLOO" (labels: high priority, module:
-correctness (silent)). Its author, ppwwyyxx, built a three-layer model with known weights under
-fully_shard on gloo and compared its gradients with what they should be. The pull request that
+correctness (silent)). Its author, ppwwyyxx, reported it with a three-layer model under
+fully_shard on gloo, its weights set by hand "for predictable gradients". The pull request that
 answered it (#162344) found the cause: gradients "summed instead of averaged when using the
 gloo backend for CPU-based training ... scaled by the world size", because FSDP assumed gloo
 supported ReduceOp.AVG for reduce_scatter; it proposed SUM followed by a manual division.
@@ -34,6 +34,7 @@ CAUGHT_BY = "oracle"
 SIGNS = ("lesson 26's oracle finds every forward output within rounding and names step 1's first "
          "gradient, head.bias, with |B| / |A| = N (2.000 on 2 ranks): a sum where a mean was meant")
 RECORDS = ("forward", "backward")
+TWIN_PITFALL = {"reduce_dtype": None}  # a float64 twin left to FSDP2's default: it never asks gloo for AVG
 
 
 @contextmanager
@@ -63,15 +64,16 @@ def gloo_averages() -> float:
     return out.item()
 
 
-def train(rank, world, mode, *, steps, seed, device, dtype=torch.float32, record=()):
+def train(rank, world, mode, *, steps, seed, device, dtype=torch.float32, record=(), reduce_dtype=torch.float32):
     """Lesson 13's recipe under FSDP2 on the old gloo; mode "bug" leaves it there, "fix" makes
-    FSDP sum and divide by itself."""
+    FSDP sum and divide by itself. reduce_dtype=None: FSDP2's default, the parameters' dtype
+    (for a float64 twin: the path without the bug, see TWIN_PITFALL)."""
     model = lesson_13_model(seed, dtype, device)
     mesh = dist.init_device_mesh(device.type, (world,))
     # FSDP2 asks for AVG only when it reduces float32 or bfloat16 (_get_gradient_divide_factors);
     # any other dtype it sums and divides itself. A float64 twin must reduce in float32 too, or it
     # would not have the bug, and the oracle would take the bug for its rounding (see the doc).
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

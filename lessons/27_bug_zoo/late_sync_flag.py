@@ -5,8 +5,8 @@ incorrect loss". build-nanogpt's train_gpt2.py accumulated gradients over micro-
 `model.require_backward_grad_sync = (micro_step == grad_accum_steps - 1)` just before
 `loss.backward()`, after the forward. Its author, WilsonCWu, changed only B from 64 to 16 (so 4
 accumulation steps instead of 1, "a purely mechanical change that doesn't affect loss") and saw
-clearly worse losses than karpathy's run (val 4.1250 against 3.9518 at step 1250 after the fix);
-the fix sets the flag so that "both the forward and backward pass" see it. karpathy merged it:
+clearly worse losses than karpathy's run (val 4.5877 at step 1250; 3.9518 with the fix); the fix
+sets the flag so that "both the forward and backward pass" see it. karpathy merged it:
 "TIL. I think nanoGPT is broken too, then."
 
 Why (lesson 08's table): DDP reads the flag in forward, which arms the reducer for the coming

@@ -7,9 +7,9 @@ modules of the current PP stage", while clipping "requires computing the norm ov
 model (across all PP stages)". awgu agreed: the parameters' DTensors carry FSDP and TP
 placements, not PP, so clip_grad_norm_ cannot see the other stages. The fix (torchtitan#649,
 by the reporter): each stage's norm, raised to the p-th power, all-reduced over the pipeline
-ranks, then the p-th root (with the infinity norm handled apart); and in torch itself
-(pytorch/pytorch#139467) clip_grad_norm_ was split into get_total_norm and clip_grads_with_norm_,
-so that the total can be reduced in between.
+ranks, then the p-th root (with the infinity norm handled apart). Splitting clip_grad_norm_ so
+that the total can be reduced in between was asked for in pytorch/pytorch#139467; torch 2.14.1
+has both halves, get_total_norm and clip_grads_with_norm_.
 
 Re-created on a pipeline by hand (one micro-batch, lesson 18's cut: the embeddings, each block,
 then the final norm with the head, spread over the stages; activations sent forward, their

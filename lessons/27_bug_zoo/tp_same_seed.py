@@ -31,7 +31,7 @@ from common import transformer as T
 from zoo_kit import Outcome, lesson_13_model, mean_loss, recorder_for, replica_gap, shapes_of_lesson_13, whole_state
 
 NAME = "tp-same-seed"
-UPSTREAM = "HuggingFaceTB/smol-training-playbook"  # a Hugging Face Space: the SmolLM3 run's playbook
+UPSTREAM = "Smol Training Playbook (SmolLM3)"  # huggingface.co/spaces/HuggingFaceTB/smol-training-playbook
 TITLE = "Mystery #4 – Unsatisfactory performance"
 LAYOUT = "tensor + sequence parallel by hand (lesson 26's tp), each rank 1/N of the heads and MLP units"
 MISTAKE = "every TP rank draws its own shards from the same seed: all ranks hold the same pieces"

@@ -37,7 +37,7 @@ def draw_zoo(metrics: dict, to: Path) -> str:
             ax.axvline(len(base) // 2 + 0.5, color="#999999", lw=0.8, ls=":")
         ax.set_yscale("log")
         ax.set_ylim(ZERO / 2, 1)
-        ax.set_title(f"{row['name']}\n{row['upstream'].split(' ')[0]}", fontsize=9)
+        ax.set_title(f"{row['name']}\n{row['upstream'].split(' (')[0]}", fontsize=9)
     for ax in axes[1]:
         ax.set_xlabel("step")
     for ax in axes[:, 0]:
