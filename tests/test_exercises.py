@@ -279,3 +279,14 @@ def test_an_answer_that_returns_the_wrong_kind_of_thing_is_one_line(tmp_path):
         """)
     text = not_yet(*check_cli("05", path), "your code raised TypeError")
     assert re.search(r"\(05_set_epoch.py, line \d+\)", text) or "NoneType" in text, text
+
+
+def test_check_29_counts_the_calls_of_compiled_code(tmp_path):
+    """check-29: the first batch through `compiled`, the others through the plain model behind
+    it: one graph, no recompile, the right outputs, and still not yet (the backend counts the
+    calls of compiled code)."""
+    path = hostile(tmp_path, "29_one_graph.py", """\
+        def run_batches(compiled, batches):
+            return [compiled(batches[0])] + [compiled._orig_mod(x) for x in batches[1:]]
+        """)
+    not_yet(*check_cli("29", path), "compiled code ran for 1 of the 4 batches")
