@@ -105,6 +105,16 @@ def test_one_gpu_plan_runs_each_distributed_lesson_at_world_size_1_on_nccl(tmp_p
     assert gc.plan_seconds(list(plan.values())) <= 8 * 60
 
 
+def test_a_lesson_needing_more_ranks_than_gpus_runs_them_on_the_cpu_and_says_so(tmp_path):
+    """Lesson 27 needs 2 ranks (HSDP's replicas, a 2-stage pipeline) and NCCL puts one rank on
+    each GPU: with 1 GPU its 2 ranks run on the CPU (one run, no comparison), the note says so."""
+    check = gc.build_plan(1, "cuda", tmp_path, only=["27"])[0]
+    assert [flag(check.runs[0], f) for f in ("--device", "--world-size")] == ["cpu", "2"]
+    assert len(check.runs) == 1 and check.tolerance is None and "needs 2 GPUs" in check.note
+    two = gc.build_plan(2, "cuda", tmp_path, only=["27"])[0]
+    assert flag(two.runs[0], "--device") == "cuda" and two.backend == "nccl" and len(two.runs) == 2
+
+
 def test_two_and_eight_gpu_plans_put_one_rank_on_each_gpu(tmp_path):
     two, eight = plan_for(2, tmp_path), plan_for(8, tmp_path)
     for num in ("05", "08", "09", "14", "15", "16", "17", "18", "20"):

@@ -127,9 +127,16 @@ SPECS = {
     # Part 4: lesson 26's default layout is ddp (its sizes are Part 2's); its final.pt is the
     # layout's float32 weights, trained beside float64 twins (about 3x a Part 2 lesson's work)
     "26": Spec("ranks", ("--steps", "30"), PART2_SIZES, estimate=(25, 20)),
+    # lesson 27: one bug of the zoo (DDP, the quickest); final.pt is the bug's run. It needs 2
+    # ranks at least (HSDP's 2 replicas, a 2-stage pipeline): with 1 GPU it runs on the CPU
+    "27": Spec("ranks", ("--bug", "late-sync-flag", "--steps", "30"), (2, 4), estimate=(20, 15)),
     # lesson 28 plants its hangs in gloo on purpose (NCCL's differ, its doc says how): the
     # healthy run on 3 CPU ranks, as lesson 12's
     "28": Spec("cpu", estimate=(25, 0)),
+    # lesson 29: DDP with each block compiled (inductor: Triton kernels on the GPU, built and
+    # autotuned at the first step, so the GPU run's compile is the longer one); final.pt is the
+    # compiled model's weights. Its Steps 4, 6 and 7 compile on the rank's device too
+    "29": Spec("ranks", ("--steps", "30"), PART2_SIZES, estimate=(90, 50)),
 }
 CORE_FLAGS = {"--device", "--out", "--world-size", "--steps", "--epochs"}  # every lesson keeps these
 
@@ -288,6 +295,11 @@ def plan_lesson(num: str, gpus: int, dut: str, runs_dir: Path, py: str) -> Check
             sized = ["--world-size", str(world)]
     if spec.kind in ("ranks", "nodes", "elastic", "mesh"):
         backend = "nccl" if dut == "cuda" else "gloo"
+    if spec.kind == "ranks" and largest(spec.sizes, gpus) is None:  # lesson 27: 2 ranks at least
+        world, gpu_device, backend, tol = min(spec.sizes), "cpu", "gloo", None
+        sized = ["--world-size", str(world)]
+        notes.append(f"needs {world} GPUs (one per rank): with {gpus} it runs its {world} ranks "
+                     "on the CPU (gloo), passes on exit 0")
 
     def command(role: str, device: str) -> Run:
         out = runs_dir / f"{num}-{role}"
