@@ -290,3 +290,21 @@ def test_check_29_counts_the_calls_of_compiled_code(tmp_path):
             return [compiled(batches[0])] + [compiled._orig_mod(x) for x in batches[1:]]
         """)
     not_yet(*check_cli("29", path), "compiled code ran for 1 of the 4 batches")
+
+
+def test_check_28_works_out_the_truth_from_the_learners_seed(tmp_path):
+    """check-28, for a teacher who hands out --seed 7 --world-size 4: the truth comes from that
+    SEED (rank 1 frozen there, not seed 0's rank 1 stuck in Python); the seed-0 answer is not
+    yet, the right one, written as a learner might, is ok."""
+    import hang_faults  # lessons/28_hang_lab/, on the path by conftest
+
+    truth = hang_faults.truth(hang_faults.mystery(7, 4, 8))
+    assert truth["operation"] != "get"  # another hang than seed 0's, or this proves nothing
+    seed_0 = (ROOT / "tests" / "solutions" / "28_hang_mystery.py").read_text()
+    path = hostile(tmp_path, "28_hang_mystery.py", seed_0.replace("SEED = 0", "SEED = 7").replace(
+        "WORLD_SIZE = 3", "WORLD_SIZE = 4"))
+    not_yet(*check_cli("28", path), "SEED 7: rank 1 is right; 'Queue.get' is not the call that went wrong")
+    path.write_text(f'SEED = 7\nWORLD_SIZE = 4\nRANK = {truth["rank"]}\nOPERATION = "dist.{truth["operation"]}()"\n'
+                    f'WHERE = "{truth["where"].replace("lessons/", "/home/ana/dist/lessons/")}"\n')
+    code, text = check_cli("28", path)
+    assert code == 0 and text.startswith(f"ok: SEED 7: rank {truth['rank']}, {truth['operation']} at "), text
