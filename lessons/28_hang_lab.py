@@ -374,16 +374,28 @@ class Watch(threading.Thread):
         if not self.pyspy:
             return
         for rank, pid in pids.items():  # py-spy reads the process from outside (needs ptrace rights)
+            text = "py-spy failed: the process had ended"  # a rank that crashed (shapes): nothing to read
             try:
-                out = subprocess.run([self.pyspy, "dump", "--pid", str(pid)], capture_output=True,
-                                     text=True, timeout=5)
-                why = [re.sub(r"^(Error|\d+):\s*", "", line.strip()) for line in out.stderr.splitlines()
-                       if line.strip() and line.strip() != "Caused by:"]
-                text = out.stdout if out.returncode == 0 else f"py-spy failed: {': '.join(why[:2])}"
+                if not ended(pid):
+                    out = subprocess.run([self.pyspy, "dump", "--pid", str(pid)], capture_output=True,
+                                         text=True, timeout=5)
+                    why = [re.sub(r"^(Error|\d+):\s*", "", line.strip()) for line in out.stderr.splitlines()
+                           if line.strip() and line.strip() != "Caused by:"]
+                    text = out.stdout if out.returncode == 0 else f"py-spy failed: {': '.join(why[:2])}"
             except (subprocess.TimeoutExpired, OSError) as exc:
                 text = f"py-spy failed: {exc}"
             atomic_write(self.folder / f"pyspy_rank_{rank}.txt", lambda f: f.write(text.encode()))
         self.events.append((time.time(), f"the launcher ran py-spy dump on every rank ({self.pyspy})"))
+
+
+def ended(pid: int) -> bool:
+    """Has this process ended (a zombie, or gone)? Read from Linux's /proc; elsewhere, False."""
+    if not Path("/proc/self").exists():
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def read_back(ui, args, fault, folder, store, watch, launcher_line: str, ended: float) -> None:

@@ -6,6 +6,7 @@ timeline of the hang, the recorders side by side, the check-ins, the stacks, the
 from __future__ import annotations
 
 import json
+import textwrap
 
 from rich.markup import escape
 
@@ -123,7 +124,7 @@ def stacks(ui, ev: hang_evidence.Evidence, pyspy: str | None, taken: bool, late:
         if not text:
             continue
         if text.startswith("py-spy failed"):
-            ui.print(f"py-spy, rank {rank}: {escape(text[:110])}")
+            ui.print(f"py-spy, rank {rank}: {escape(textwrap.shorten(text, 110, placeholder=' ...'))}")
             continue
         main = text.split('"MainThread"', 1)[-1].splitlines()[1:]
         mine = next((line.strip() for line in main if "lessons/" in line or "28_hang_lab" in line), "?")
