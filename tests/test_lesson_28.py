@@ -1,7 +1,7 @@
 """Lesson 28: every planted hang ends by itself within its bound, and the evidence names it.
 
 Every --hang name runs for real once, as a subprocess of the lesson (the mystery through
-`make lesson-28`, as a learner types it), four jobs at a time, shared by every test (module
+`make lesson-28`, as a learner types it), all at once, shared by every test (module
 fixture): each must end, non-zero, within --timeout plus the lesson's bound, with one last line
 naming the culprit, the diagnosis in metrics.json equal to the planted truth, no process
 left behind and nothing left in its own $TMPDIR. One more job is stopped with SIGTERM while a
@@ -103,10 +103,10 @@ def _stopped(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every job at once, four at a time (most of a job is waiting for its timeout)."""
+    """Every job at once (most of a job is waiting for its timeout)."""
     base = tmp_path_factory.mktemp("lesson28")
     names = ["mystery", "sigterm", *HANGS, "healthy"]
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
         jobs = {n: pool.submit(_stopped if n == "sigterm" else _job, *((base / n,) if n == "sigterm" else (n, base / n)))
                 for n in names}
     return {n: job.result() for n, job in jobs.items()}
