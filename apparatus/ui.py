@@ -138,6 +138,15 @@ class UI:
             sys.stderr.flush()
             # Every rank stops here, together. os._exit skips the interpreter's teardown,
             # where gloo would complain about a process group that was never destroyed.
+            # It skips multiprocessing's clean-up too: the launcher (no multiprocessing parent)
+            # removes the folder it made for the fork server's socket (pymp-* in $TMPDIR)
+            # itself. A rank must not: it shares its launcher's folder.
+            import multiprocessing
+            import multiprocessing.util
+            import shutil
+
+            if multiprocessing.parent_process() is None:
+                shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
             os._exit(0)
 
     def _summary(self, next_step: tuple[int, str] | None) -> None:
