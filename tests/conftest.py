@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -161,6 +162,17 @@ def run_with_line_times(cmd, timeout, env: dict | None = None):
 def run_lesson(number: str, *args, timeout: float = 120, check: bool = True,
                env: dict | None = None) -> subprocess.CompletedProcess:
     return run([sys.executable, str(lesson_path(number)), *map(str, args)],
+               timeout=timeout, check=check, env=env)
+
+
+def make_lesson(number: str, *args, timeout: float = 180, check: bool = True,
+                env: dict | None = None) -> subprocess.CompletedProcess:
+    """`make lesson-NN ARGS="..."` from the repository root, exactly as the README tells a
+    learner: make, then a new Python (never forked from the zygote), its launcher and its
+    ranks. Each lesson's main run in its test file goes through here, so every lesson runs at
+    least once in the suite the way a learner starts it."""
+    flags = shlex.join(str(a) for a in args)
+    return run(["make", "-s", "--no-print-directory", f"lesson-{number}", f"ARGS={flags}"],
                timeout=timeout, check=check, env=env)
 
 

@@ -4,11 +4,11 @@ import re
 import torch
 
 from common import recipe
-from conftest import load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import load_run, make_lesson, max_abs_diff, one_error_line, run_lesson
 
 
 def test_default_run_learns_and_writes_results(tmp_path, reference_3_epochs):
-    proc = run_lesson("01", "--out", tmp_path)
+    proc = make_lesson("01", "--out", tmp_path)
     state, metrics = load_run(tmp_path)
     losses = metrics["losses"]
     assert len(losses) == recipe.EPOCHS * recipe.N_TRAIN // recipe.GLOBAL_BATCH

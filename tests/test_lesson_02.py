@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import import_lesson, one_error_line, run_lesson
+from conftest import import_lesson, make_lesson, one_error_line, run_lesson
 
 # The order PyTorch's Module._apply visits the lesson's Net in: children first (depth
 # first, in registration order), then each module's own parameters, each followed by its
@@ -33,7 +33,7 @@ def lesson():
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lesson02")
-    proc = run_lesson("02", "--out", folder)
+    proc = make_lesson("02", "--out", folder)
     return proc, json.loads((folder / "trace.json").read_text())
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from common import recipe
-from conftest import load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import load_run, make_lesson, max_abs_diff, one_error_line, run_lesson
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
@@ -19,7 +19,7 @@ def lesson():
 
 
 def test_default_run_matches_lesson_01(tmp_path, reference_3_epochs):
-    proc = run_lesson("03", "--out", tmp_path)
+    proc = make_lesson("03", "--out", tmp_path)
     state, metrics = load_run(tmp_path)
     diff = max_abs_diff(state, reference_3_epochs)
     assert diff <= 1e-4, diff

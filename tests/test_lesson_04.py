@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from common import recipe
-from conftest import import_lesson, load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import import_lesson, load_run, make_lesson, max_abs_diff, one_error_line, run_lesson
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
@@ -29,7 +29,7 @@ def pipe():
 
 
 def test_default_run_matches_lesson_01_and_pipelining_helps(tmp_path, reference_3_epochs):
-    proc = run_lesson("04", "--out", tmp_path)
+    proc = make_lesson("04", "--out", tmp_path)
     state, metrics = load_run(tmp_path)
     diff = max_abs_diff(state, reference_3_epochs)
     assert diff <= 1e-4, diff

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common import recipe
-from conftest import load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import load_run, make_lesson, max_abs_diff, one_error_line, run_lesson
 
 
 def reference(epochs: int) -> dict:
@@ -23,7 +23,7 @@ def reference(epochs: int) -> dict:
 def default_run(tmp_path_factory):
     """One default run (2 ranks, accum 4, 3 epochs), shared by the tests below."""
     folder = tmp_path_factory.mktemp("lesson08")
-    proc = run_lesson("08", "--out", folder, timeout=150)
+    proc = make_lesson("08", "--out", folder, timeout=150)
     state, metrics = load_run(folder)
     return proc, state, metrics
 

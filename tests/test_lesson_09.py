@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from common import recipe
-from conftest import ROOT, lesson_path, load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import ROOT, lesson_path, load_run, make_lesson, max_abs_diff, one_error_line, run_lesson
 
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lesson09")
-    proc = run_lesson("09", "--out", folder, timeout=150)
+    proc = make_lesson("09", "--out", folder, timeout=150)
     state, metrics = load_run(folder)
     return proc, state, metrics, folder
 

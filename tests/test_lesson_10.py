@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import import_lesson, parse_error, run_with_line_times, lesson_path, one_error_line, run_lesson
+from conftest import (import_lesson, lesson_path, make_lesson, one_error_line, parse_error,
+                      run_lesson, run_with_line_times)
 
 SIZES = [1, 2, 3, 4, 5, 7, 12, 1000, 1001, 4099]  # several not divisible by 2, 3 or 4; some < N
 
@@ -81,8 +82,8 @@ def test_ring_bytes_formula_helpers():
 
 
 def test_default_world_table_and_bytes(tmp_path):
-    proc = run_lesson("10", "--out", tmp_path, "--sizes", "1000,100003", "--repeats", "2",
-                      timeout=180)
+    proc = make_lesson("10", "--out", tmp_path, "--sizes", "1000,100003", "--repeats", "2",
+                       timeout=180)
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["lesson"] == "10" and m["world_size"] == 4 and m["backend"] == "gloo"
     big = 100003  # not divisible by 2, 3 or 4

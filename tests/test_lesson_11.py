@@ -6,11 +6,12 @@ import sys
 import pytest
 
 from common import recipe
-from conftest import import_lesson, parse_error, run_with_line_times, lesson_path, load_run, max_abs_diff, one_error_line, run_lesson
+from conftest import (import_lesson, lesson_path, load_run, make_lesson, max_abs_diff,
+                      one_error_line, parse_error, run_lesson, run_with_line_times)
 
 
 def test_race_with_a_slow_worker(tmp_path, reference_3_epochs):
-    proc = run_lesson("11", "--out", tmp_path, timeout=240)
+    proc = make_lesson("11", "--out", tmp_path, timeout=240)
     state, m = load_run(tmp_path)
     sync, asyn = m["modes"]["sync"], m["modes"]["async"]
     n, slow = 4, 1

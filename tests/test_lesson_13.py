@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from common import transformer as T
-from conftest import import_lesson, load_run, max_abs_diff, parse_error, run_lesson, weights_line
+from conftest import import_lesson, load_run, make_lesson, max_abs_diff, parse_error, weights_line
 
 
 @pytest.fixture(scope="module")
 def lesson(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lesson13")
-    proc = run_lesson("13", "--device", "cpu", "--out", folder, timeout=180)
+    proc = make_lesson("13", "--device", "cpu", "--out", folder, timeout=180)
     state, metrics = load_run(folder)
     return proc.stdout, state, metrics
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import transformer as T
-from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson, weights_line
+from conftest import ROOT, import_lesson, load_run, make_lesson, max_abs_diff, parse_error, weights_line
 
 from common.distributed import run_ranks
 
@@ -18,8 +18,8 @@ STEPS = 30  # of lesson 13's 120: the same claims, compared with lesson 13 run a
 @pytest.fixture(scope="module")
 def lesson(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lesson14")
-    proc = run_lesson("14", "--world-size", WORLD, "--device", "cpu", "--steps", STEPS,
-                      "--out", folder, timeout=300)
+    proc = make_lesson("14", "--world-size", WORLD, "--device", "cpu", "--steps", STEPS,
+                       "--out", folder, timeout=300)
     state, metrics = load_run(folder)
     return proc.stdout, state, metrics
 

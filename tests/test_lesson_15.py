@@ -19,7 +19,7 @@ import torch
 
 from common import transformer as T
 from apparatus.state_dicts import load_into
-from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson, weights_line
+from conftest import ROOT, import_lesson, load_run, make_lesson, max_abs_diff, parse_error, weights_line
 
 STEPS = 4
 RUNS = {"fsdp": (2, []), "ddp": (2, ["--strategy", "ddp"])}
@@ -38,8 +38,8 @@ def runs(tmp_path_factory):
 
     def launch(name):
         world, flags = RUNS[name]
-        return run_lesson("15", "--device", "cpu", "--world-size", world, "--steps", STEPS,
-                          *flags, "--out", folders[name], timeout=240)
+        return make_lesson("15", "--device", "cpu", "--world-size", world, "--steps", STEPS,
+                           *flags, "--out", folders[name], timeout=240)
     with ThreadPoolExecutor(len(RUNS)) as pool:
         procs = dict(zip(RUNS, pool.map(launch, RUNS)))
     return {name: (procs[name].stdout, *load_run(folders[name]), RUNS[name][0]) for name in RUNS}

@@ -33,8 +33,8 @@ import torch
 
 from common import transformer as T
 from apparatus.state_dicts import load_into
-from conftest import (ROOT, import_lesson, lesson_path, load_run, max_abs_diff, one_error_line,
-                      parse_error, run, run_lesson)
+from conftest import (ROOT, import_lesson, lesson_path, load_run, make_lesson, max_abs_diff,
+                      one_error_line, parse_error, run, run_lesson)
 
 STEPS, STOP = 6, 3
 
@@ -91,9 +91,9 @@ def _bytes(folder):
 def runs(tmp_path_factory, reference):
     base = tmp_path_factory.mktemp("lesson16")
     ckpt = base / "ckpt"
-    stopped = run_lesson("16", "--device", "cpu", "--world-size", 2, "--steps", STEPS,
-                         "--stop-at-step", STOP, "--checkpoint", ckpt, "--out", base / "stopped",
-                         timeout=240)
+    stopped = make_lesson("16", "--device", "cpu", "--world-size", 2, "--steps", STEPS,
+                          "--stop-at-step", STOP, "--checkpoint", ckpt, "--out", base / "stopped",
+                          timeout=240)
     saved = _bytes(ckpt)
     killed = base / "lesson16_rank1_killed.py"
     killed.write_text(KILLED_LESSON.format(rank=1, lesson=str(lesson_path("16"))))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common import transformer as T
-from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson, weights_line
+from conftest import ROOT, import_lesson, load_run, make_lesson, max_abs_diff, parse_error, weights_line
 
 from common.distributed import run_ranks
 
@@ -36,8 +36,8 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lesson(folder):
-    proc = run_lesson("17", "--world-size", WORLD, "--impl", "dtensor", "--sequence-parallel",
-                      "--steps", STEPS, "--device", "cpu", "--out", folder, timeout=300)
+    proc = make_lesson("17", "--world-size", WORLD, "--impl", "dtensor", "--sequence-parallel",
+                       "--steps", STEPS, "--device", "cpu", "--out", folder, timeout=300)
     state, metrics = load_run(folder)
     return proc.stdout, state, metrics
 

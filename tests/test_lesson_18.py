@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common import transformer as T
-from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run_lesson, weights_line
+from conftest import ROOT, import_lesson, load_run, make_lesson, max_abs_diff, parse_error, weights_line
 
 from common.distributed import run_ranks
 
@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
 
     def one(name):
         try:
-            proc = run_lesson("18", "--device", "cpu", *flags[name], "--out", folders[name], timeout=300)
+            proc = make_lesson("18", "--device", "cpu", *flags[name], "--out", folders[name], timeout=300)
             done[name] = (proc.stdout, *load_run(folders[name]), folders[name])
         except BaseException as exc:  # pytest.fail included: re-raised below, in the test's thread
             failed[name] = exc

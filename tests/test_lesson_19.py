@@ -20,7 +20,7 @@ from apparatus import sharding
 import pipeline
 import planner
 from common import transformer as T
-from conftest import ROOT, import_lesson, load_run, max_abs_diff, parse_error, run, run_lesson, weights_line
+from conftest import ROOT, import_lesson, load_run, make_lesson, max_abs_diff, parse_error, run, weights_line
 
 STEPS = 6
 DP, TP = 2, 2
@@ -33,8 +33,8 @@ SPLIT_PSI = sum(math.prod(s) for n, s in SHAPES.items() if any(k in n for k in S
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lesson19")
-    proc = run_lesson("19", "--device", "cpu", "--dp", DP, "--tp", TP, "--steps", STEPS,
-                      "--out", folder, timeout=240)
+    proc = make_lesson("19", "--device", "cpu", "--dp", DP, "--tp", TP, "--steps", STEPS,
+                       "--out", folder, timeout=240)
     state, metrics = load_run(folder)
     return proc.stdout, state, metrics
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import ROOT, import_lesson, load_run, parse_error, run, run_lesson
+from conftest import ROOT, import_lesson, load_run, make_lesson, parse_error, run
 
 import cluster_report  # lessons/23_cluster_on_a_laptop/ (conftest puts the lessons' folders on the path)
 import fake_cluster
@@ -37,9 +37,9 @@ def runs(tmp_path_factory):
     def one(name):
         model, dp, tp, m, real, vocab = RUNS[name]
         folder = tmp_path_factory.mktemp(f"lesson23-{name}")
-        proc = run_lesson("23", "--model", model, "--world-size", dp * tp, "--tp", tp, "--microbatches", m,
-                          *(["--real"] if real else []), *(["--vocab-parallel"] if vocab else []),
-                          "--out", folder, timeout=800)
+        proc = make_lesson("23", "--model", model, "--world-size", dp * tp, "--tp", tp, "--microbatches", m,
+                           *(["--real"] if real else []), *(["--vocab-parallel"] if vocab else []),
+                           "--out", folder, timeout=800)
         return name, (proc.stdout, load_run(folder)[1], folder)
 
     with ThreadPoolExecutor(len(RUNS)) as pool:  # most of each run is one process: overlap them
