@@ -2,8 +2,9 @@
 
     run.py      the command line: plans the runs, starts the ranks, writes results.json
     measure.py  what every rank runs: DDP throughput, bucketing, no_sync, all-reduce timings
-    part2.py    Part 2 on the transformer: FSDP2 vs DDP, tensor parallel's collectives, pipeline
-                schedules (measured on 1 and 2 ranks; its tables and page sections 6-8 too)
+    sharded_transformer.py  the transformer (Part 2's recipe) split across ranks: FSDP2 vs
+                DDP, tensor parallel's collectives, pipeline schedules (measured on 1 and 2
+                ranks; its tables and page sections 6-8 too)
     report.py   the tables (printed with rich, and reused by the doc) and the PNG plots
     doc.py      PERFORMANCE.md and zh/PERFORMANCE.md from results.json, every number and every
                 sentence that interprets one (runs/bench/; docs/ only with make bench-docs)

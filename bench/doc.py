@@ -241,8 +241,8 @@ def _render(results: dict, images: dict, note: str | None) -> str:
         out += no_sync_section(b["no_sync"], images, note)
     if "gpu" in b:
         out += gpu_section(b["gpu"], images, note)
-    from bench import part2  # sections 6-8: Part 2's transformer
-    out += part2.sections(b)
+    from bench import sharded_transformer  # sections 6-8: Part 2's transformer
+    out += sharded_transformer.sections(b)
     return "\n".join(out).rstrip() + "\n"
 
 

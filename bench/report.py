@@ -152,8 +152,8 @@ def all_tables(results: dict) -> list[tuple[str, tuple]]:
         out.append(("no_sync", no_sync_table(b["no_sync"])))
     if "gpu" in b:
         out += [("gpu", t) for t in gpu_tables(b["gpu"])]
-    from bench import part2  # Part 2's transformer: FSDP2, tensor parallel, pipelines
-    return out + part2.all_tables(b)
+    from bench import sharded_transformer  # Part 2's transformer: FSDP2, tensor parallel, pipelines
+    return out + sharded_transformer.all_tables(b)
 
 
 def print_tables(ui, results: dict) -> None:

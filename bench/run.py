@@ -97,8 +97,8 @@ def make_plan(args) -> dict:
     if "allreduce" in wanted:
         phases += [("allreduce", n) for n in plan["allreduce"]["worlds"]]
     plan["phases"] = phases
-    from bench import part2  # Part 2 (the transformer): FSDP2 vs DDP, tensor parallel, pipelines
-    plan["part2"] = part2.make_plan(quick)
+    from bench import sharded_transformer  # Part 2 (the transformer): FSDP2 vs DDP, tensor parallel, pipelines
+    plan["part2"] = sharded_transformer.make_plan(quick)
     plan["benchmarks"] = sorted(wanted, key=BENCHMARKS.index)
     return plan
 
@@ -328,10 +328,10 @@ def main() -> None:
                                   "rows": got["allreduce"]}
 
     if set(plan["benchmarks"]) & {"fsdp", "tp", "pipeline"}:
-        from bench import part2
+        from bench import sharded_transformer
         first = "1, then 2 CPU ranks" if "fsdp" in plan["benchmarks"] else "2 CPU ranks"
         ui.print(f"starting {first} (gloo) for Part 2's transformer")
-        bench.update(part2.run(plan, spawn_ranks, ui))
+        bench.update(sharded_transformer.run(plan, spawn_ranks, ui))
 
     if "gpu" in plan["benchmarks"]:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

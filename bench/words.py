@@ -1,6 +1,7 @@
 """The words every bench page shares: one sentence in two languages, Markdown tables, numbers,
 and the honest comparison of two measured summaries. A leaf: bench.doc, bench.report and
-bench.part2 import it, it imports none of them (so they no longer import one another in a circle).
+bench.sharded_transformer import it, it imports none of them (so they no longer import one
+another in a circle).
 """
 from __future__ import annotations
 

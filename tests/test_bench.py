@@ -534,10 +534,10 @@ def test_no_sync_saving_follows_the_sign():
 
 
 # ---------------------------------------------------------------------------------------
-# Part 2: FSDP2 vs DDP, tensor parallel, pipeline schedules (bench/part2.py)
+# Part 2: FSDP2 vs DDP, tensor parallel, pipeline schedules (bench/sharded_transformer.py)
 # ---------------------------------------------------------------------------------------
 
-def test_part2_measures_bytes_exactly(quick):
+def test_sharded_transformer_measures_bytes_exactly(quick):
     """Counts and bytes do not depend on the machine: DDP on 2 ranks sends 2(N-1)/N of the
     gradients = their bytes once; ZeRO-3 1.5x that; ZeRO-2-like as DDP; FSDP2 halves what a
     rank holds (the recipe's dims are even: no padding)."""
@@ -579,7 +579,7 @@ def test_part2_measures_bytes_exactly(quick):
     assert "FSDP2 vs DDP on the transformer" in stdout and "Pipeline schedules on 2 ranks" in stdout
 
 
-def test_part2_sections_on_the_page(quick, tmp_path):
+def test_sharded_transformer_sections_on_the_page(quick, tmp_path):
     from bench import doc as bench_doc
 
     out, _, _ = quick
@@ -603,25 +603,25 @@ def fsdp_sec(ddp: tuple, z3: tuple, z2_sent: float, ddp1: float = 100.0) -> dict
                      row("fsdp-zero2", 2, z3[0], z2_sent, z3[2])]}
 
 
-def test_part2_fsdp_sentences_follow_the_data():
-    from bench import part2
-    en, zh = both(part2.fsdp_lines, fsdp_sec((180, 400, 400), (80, 600, 200), 400))
+def test_sharded_transformer_fsdp_sentences_follow_the_data():
+    from bench import sharded_transformer
+    en, zh = both(sharded_transformer.fsdp_lines, fsdp_sec((180, 400, 400), (80, 600, 200), 400))
     assert "held 50% of what a DDP rank" in en and "按秩切分" in zh
     assert "sent 1.50x DDP's bytes" in en and "1.50 倍" in zh
     assert "sent 33% less than ZeRO-3" in en and "少发送 33%" in zh
     assert "cost more than sharding saves" in en and "FSDP 才划算" in zh
     assert "1.80x the sequences/s" in en
-    en, zh = both(part2.fsdp_lines, fsdp_sec((100, 400, 400), (150, 400, 400), 400, ddp1=200))
+    en, zh = both(sharded_transformer.fsdp_lines, fsdp_sec((100, 400, 400), (150, 400, 400), 400, ddp1=200))
     assert "sharding saved nothing" in en and "没有节省内存" in zh
     assert "about the same" in en and "cost more than" not in en
     assert "sent no less than ZeRO-3" in en and "不比 ZeRO-3 少" in zh
     assert "FSDP2 was also faster" in en and "更快" in zh
-    en, _ = both(part2.fsdp_lines, fsdp_sec((100, 400, 400), (101, 700, 300), 700))
+    en, _ = both(sharded_transformer.fsdp_lines, fsdp_sec((100, 400, 400), (101, 700, 300), 700))
     assert "not the 50%" in en and "no different from DDP beyond" in en
 
 
-def test_part2_tp_and_pipeline_sentences_follow_the_data():
-    from bench import part2
+def test_sharded_transformer_tp_and_pipeline_sentences_follow_the_data():
+    from bench import sharded_transformer
 
     def tp_row(impl: str, sp: bool, both_ways: float, step: float, comm: float,
                after: tuple = (0, 0.0), where: str = "between") -> dict:
@@ -638,12 +638,12 @@ def test_part2_tp_and_pipeline_sentences_follow_the_data():
         rows = [tp_row("manual", sp, sp_bytes if sp else 100.0, step, comm) for sp in (False, True)]
         return {"rows": rows, "plain_step_ms": stat(plain), "model": {"dim": 64}}
 
-    en, zh = both(part2.tp_lines, tp_sec(100, 70, 50))
+    en, zh = both(sharded_transformer.tp_lines, tp_sec(100, 70, 50))
     assert "more than half of the step's time in every variant" in en and "一半以上" in zh
     assert "made it slower" in en and "反而更慢" in zh
     assert "1.00x the bytes" in en and "moves what one all-reduce moves" in en
     assert "higher than plain TP by 50%" in en
-    en, zh = both(part2.tp_lines, tp_sec(40, 10, 100, sp_bytes=50))
+    en, zh = both(sharded_transformer.tp_lines, tp_sec(40, 10, 100, sp_bytes=50))
     assert "less than half" in en and "paid off" in en and "划算" in zh
     assert "0.50x the bytes" in en and "all-reduce moves" not in en
     # DTensor against by hand: the same bytes are said to be the same, and the sums after
@@ -652,17 +652,17 @@ def test_part2_tp_and_pipeline_sentences_follow_the_data():
             tp_row("manual", True, 1_572_864, 90, 50, (6, 1_536.0)),
             tp_row("dtensor", True, 1_572_864, 190, 30, (12, 3_072.0), "optimizer")]
     sec = {"rows": rows, "plain_step_ms": stat(35), "model": {"dim": 64}}
-    en, zh = both(part2.tp_lines, sec)
+    en, zh = both(sharded_transformer.tp_lines, sec)
     assert "DTensor's plan sent what the by-hand plan sent per block: 786,432 bytes in forward " \
            "and 786,432 in backward" in en
     assert "DTensor's plan with sequence parallel sent what the by-hand plan sent" in en
     assert "6 small all-reduces per block" in en and "12 calls, 3,072 bytes" in en
     assert "DTensor 的方案每个块发送的字节与手写方案相同" in zh
-    table = part2.tp_table(sec)
+    table = sharded_transformer.tp_table(sec)
     assert table[2][2][1] == "2 all_reduce / 2 all_reduce / 6 all_reduce (sum)"
     assert table[2][3][1] == "2 all_reduce / 2 all_reduce / 12 all_reduce (AdamW's step)"
     rows[1] = tp_row("dtensor", False, 2 * 1_572_864, 80, 20)  # were DTensor to send more
-    en, _ = both(part2.tp_lines, sec)
+    en, _ = both(sharded_transformer.tp_lines, sec)
     assert "DTensor's plan sent 2.00x the by-hand plan's bytes per block in forward" in en
 
     def pipe_sec(times: dict, measured: dict, plain: float = 150.0) -> dict:
@@ -673,21 +673,21 @@ def test_part2_tp_and_pipeline_sentences_follow_the_data():
 
     good = pipe_sec({"gpipe": 100, "1f1b": 100, "interleaved": 95, "zero-bubble": 80},
                     {"gpipe": 0.22, "1f1b": 0.22, "interleaved": 0.12, "zero-bubble": 0.06})
-    en, zh = both(part2.pipeline_lines, good)
+    en, zh = both(sharded_transformer.pipeline_lines, good)
     assert "(zero-bubble, 4% idle) was also the fastest" in en and "也确实最快" in zh
     assert "came within 5 points" in en and "lost more" not in en and "lost less" not in en
     assert "used its 2 ranks to go faster" in en
     bad = pipe_sec({"gpipe": 80, "1f1b": 100, "interleaved": 120, "zero-bubble": 110},
                    {"gpipe": 0.3, "1f1b": 0.4, "interleaved": 0.5, "zero-bubble": 0.6}, plain=60)
-    en, zh = both(part2.pipeline_lines, bad)
+    en, zh = both(sharded_transformer.pipeline_lines, bad)
     assert "The prediction did not hold" in en and "预测没有成立" in zh
     assert "Every schedule lost more time" in en and "did not buy speed" in en
     tie = pipe_sec({"gpipe": 100, "1f1b": 100, "interleaved": 100, "zero-bubble": 99},
                    {"gpipe": 0.3, "1f1b": 0.22, "interleaved": 0.12, "zero-bubble": 0.06})
-    en, _ = both(part2.pipeline_lines, tie)
+    en, _ = both(sharded_transformer.pipeline_lines, tie)
     assert "cannot confirm" in en and "gpipe lost more time than predicted" in en
     low = pipe_sec({"gpipe": 100, "1f1b": 100, "interleaved": 100, "zero-bubble": 99},
                    {"gpipe": -0.1, "1f1b": 0.22, "interleaved": 0.12, "zero-bubble": 0.06})
-    en, zh = both(part2.pipeline_lines, low)
+    en, zh = both(sharded_transformer.pipeline_lines, low)
     assert "gpipe lost less than predicted" in en and "只是一个估计" in zh
     assert "1f1b, interleaved, zero-bubble came within 5 points" in en and "lost more" not in en

@@ -69,11 +69,11 @@ def load_lesson(number: str, needed: tuple[str, ...]):
     try:
         module = lesson_module(number)
     except ImportError as exc:
-        raise RuntimeError(f"{exc}: bench/part2.py imports it") from None
+        raise RuntimeError(f"{exc}: bench/sharded_transformer.py imports it") from None
     missing = [n for n in needed if not hasattr(module, n)]
     if missing:
         raise RuntimeError(f"{Path(module.__file__).name} no longer defines {', '.join(missing)}, "
-                           f"which bench/part2.py imports; update it")
+                           f"which bench/sharded_transformer.py imports; update it")
     return module
 
 
