@@ -50,11 +50,11 @@ from apparatus.results import claim_out, make_metrics, out_dir, save_results, sh
 from apparatus.ui import UI, Timer
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()  # Partial(): each rank holds a summand
-# Step 2 lays X out in each layout; Step 3 moves it from one to another, on each mesh
+# The layouts: Step 2 lays X out in each; Step 3 moves it from one to another, on each mesh
 LAYOUTS = {"1-D": [(S0,), (S1,), (R,), (P,)], "2-D": [(S0, S1), (R, S1), (P, S0)]}
 MOVES = {"1-D": [((S0,), (R,)), ((P,), (R,)), ((P,), (S0,)), ((S0,), (S1,)), ((R,), (S0,)), ((S0,), (P,)), ((R,), (P,))],
          "2-D": [((S0, S1), (R, R)), ((P, P), (S0, S1)), ((S0, S1), (S1, S0))]}
-# Step 4's ops: (what, the op, placements of its inputs); x is 8 x 32, w is 32 x 16
+# The ops of Step 4: (what, the op, placements of its inputs); x is 8 x 32, w is 32 x 16
 OPS = [("x @ w", lambda x, w: x @ w, (S0, R)),        # x's rows: the output's rows
        ("x @ w", lambda x, w: x @ w, (R, S1)),        # w's columns: lesson 17's column-parallel
        ("x @ w", lambda x, w: x @ w, (S1, S0)),       # the inner dimension split: row-parallel
