@@ -168,6 +168,14 @@ def run_world(world: int, target, args: tuple, learner: Path) -> list:
     return results
 
 
+def run_worlds(worlds, target, args: tuple, learner: Path) -> dict:
+    """run_world on each number of ranks in `worlds`, one after the other, in this process:
+    {world: the results by rank}. One answer's process and its fork server serve every run
+    (a new answer per world paid for both again: about 5 s of CPU each). The first world that
+    fails ends it with that world's NotYet."""
+    return {world: run_world(world, target, args, learner) for world in worlds}
+
+
 # ---------------------------------------------------------------------------------------
 # The answer's process and its keeper
 # ---------------------------------------------------------------------------------------

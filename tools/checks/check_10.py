@@ -12,6 +12,7 @@ from pathlib import Path
 # check_exercise is imported where it is used (see check_14.py: a top-level import is circular).
 # _rank_10 runs in the answer's ranks (check_exercise.answer); check() compares, here.
 STARTER = "exercises/10_ring_all_reduce.py"
+WORLDS = (2, 3, 4)  # numbers of ranks, each run in turn in one answer process
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "reduce", "broadcast", "all_to_all",
@@ -71,11 +72,12 @@ def _rank_10(rank: int, world: int, path: str) -> list:
     return [out, sorted(int(t) for t in sent["to"] if t is not None)]
 
 
-def _on_ranks(module, world: int) -> list:
-    """In the answer's process: _rank_10 on `world` ranks."""
-    from check_exercise import run_world
+def _on_ranks(module, worlds: list) -> dict:
+    """In the answer's process: _rank_10 on each number of ranks in `worlds`, one run after the
+    other (one process and one fork server for all of them): {world: results by rank}."""
+    from check_exercise import run_worlds
 
-    return run_world(world, _rank_10, (module.__file__,), Path(module.__file__))
+    return run_worlds(worlds, _rank_10, (module.__file__,), Path(module.__file__))
 
 
 def check(path: Path) -> str:
@@ -84,8 +86,9 @@ def check(path: Path) -> str:
 
     from check_exercise import WORLD_TIMEOUT_S, NotYet, answer
 
-    for world in (2, 3, 4):
-        ranks = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
+    every = answer(path, _on_ranks, WORLDS, limit_s=len(WORLDS) * WORLD_TIMEOUT_S + 30)
+    for world in WORLDS:
+        ranks = every[world]
         for rank, (results, peers) in enumerate(ranks):
             for r in results:
                 # what dist.all_reduce gives: the sum of every rank's tensor, made here

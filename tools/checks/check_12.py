@@ -11,6 +11,7 @@ from pathlib import Path
 
 # check_exercise is imported where it is used (see check_14.py: a top-level import is circular)
 STARTER = "exercises/12_eval_accuracy.py"
+WORLDS = (2, 3)  # numbers of ranks, each run in turn in one answer process
 
 N_VAL = 101  # validation samples: neither 2 nor 3 ranks can split them evenly
 
@@ -42,11 +43,12 @@ def _rank_12(rank: int, world: int, path: str, weights: dict) -> dict:
     return {"accuracy": float(accuracy), "seen": seen}
 
 
-def _on_ranks(module, world: int, weights: dict) -> list:
-    """In the answer's process: _rank_12 on `world` ranks."""
-    from check_exercise import run_world
+def _on_ranks(module, worlds: list, weights: dict) -> dict:
+    """In the answer's process: _rank_12 on each number of ranks in `worlds`, one run after the
+    other (one process and one fork server for all of them): {world: results by rank}."""
+    from check_exercise import run_worlds
 
-    return run_world(world, _rank_12, (module.__file__, weights), Path(module.__file__))
+    return run_worlds(worlds, _rank_12, (module.__file__, weights), Path(module.__file__))
 
 
 def check(path: Path) -> str:
@@ -64,8 +66,9 @@ def check(path: Path) -> str:
     with torch.no_grad():
         right = int((model(x).argmax(1) == y).sum())
     truth = right / N_VAL
-    for world in (2, 3):
-        ranks = answer(path, _on_ranks, world, weights, limit_s=WORLD_TIMEOUT_S + 30)
+    every = answer(path, _on_ranks, WORLDS, weights, limit_s=len(WORLDS) * WORLD_TIMEOUT_S + 30)
+    for world in WORLDS:
+        ranks = every[world]
         got = [r["accuracy"] for r in ranks]
         setup = f"{N_VAL} samples on {world} ranks"
         if max(got) - min(got) > 1e-12:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 STARTER = "exercises/17_conjugate_functions.py"
+WORLDS = (2, 4)  # numbers of ranks, each run in turn in one answer process
 WIDTH, HIDDEN = 8, 16
 
 
@@ -54,11 +55,12 @@ def _rank_17(rank: int, world: int, path: str) -> dict:
             "calls": [(c.phase, c.kind) for c in log.calls]}
 
 
-def _on_ranks(module, world: int) -> list:
-    """In the answer's process: _rank_17 on `world` ranks."""
-    from check_exercise import run_world
+def _on_ranks(module, worlds: list) -> dict:
+    """In the answer's process: _rank_17 on each number of ranks in `worlds`, one run after the
+    other (one process and one fork server for all of them): {world: results by rank}."""
+    from check_exercise import run_worlds
 
-    return run_world(world, _rank_17, (module.__file__,), Path(module.__file__))
+    return run_worlds(worlds, _rank_17, (module.__file__,), Path(module.__file__))
 
 
 def _compared(rank: int, world: int, got: dict) -> dict:
@@ -81,8 +83,9 @@ def check(path: Path) -> str:
     """Output and every gradient as one process; one all-reduce each way."""
     from check_exercise import WORLD_TIMEOUT_S, NotYet, answer
 
-    for world in (2, 4):
-        got = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
+    every = answer(path, _on_ranks, WORLDS, limit_s=len(WORLDS) * WORLD_TIMEOUT_S + 30)
+    for world in WORLDS:
+        got = every[world]
         ranks = [_compared(rank, world, r) for rank, r in enumerate(got)]  # here, not in the ranks
         setup = f"with the MLP split over {world} ranks"
         out = max(r["out"] for r in ranks)

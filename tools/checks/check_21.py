@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 STARTER = "exercises/21_online_softmax.py"
+WORLDS = (2, 4)  # numbers of ranks, each run in turn in one answer process
 
 
 CASES = ((1.0, [6]), (1.0, [3, 4, 11]), (100.0, [6]), (100.0, [3, 4, 11]))  # (score scale, cuts)
@@ -85,11 +86,12 @@ def _ring_inputs(batch: int = 4):
     return [torch.randn(batch, T.N_HEADS, T.SEQ, T.HEAD_DIM, generator=g) for _ in range(3)]
 
 
-def _on_ranks(module, world: int) -> list:
-    """In the answer's process: _rank_21 on `world` ranks."""
-    from check_exercise import run_world
+def _on_ranks(module, worlds: list) -> dict:
+    """In the answer's process: _rank_21 on each number of ranks in `worlds`, one run after the
+    other (one process and one fork server for all of them): {world: results by rank}."""
+    from check_exercise import run_worlds
 
-    return run_world(world, _rank_21, (module.__file__,), Path(module.__file__))
+    return run_worlds(worlds, _rank_21, (module.__file__,), Path(module.__file__))
 
 
 def check(path: Path) -> str:
@@ -126,8 +128,9 @@ def check(path: Path) -> str:
                          f"{lse_off:.1e} (relative) away from log(sum(exp(scores))) over "
                          f"all the keys: the next block would be weighed wrongly")
     expected = F.scaled_dot_product_attention(*_ring_inputs(), is_causal=True)  # one process
-    for world in (2, 4):
-        ranks = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
+    every = answer(path, _on_ranks, WORLDS, limit_s=len(WORLDS) * WORLD_TIMEOUT_S + 30)
+    for world in WORLDS:
+        ranks = every[world]
         worst = max((out - expected).abs().max().item() for r in ranks for out in r.values())
         if worst > 1e-5:
             raise NotYet(f"inside lesson 21's ring on {world} ranks, the attention output is {worst:.1e} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 STARTER = "exercises/22_dispatch.py"
+WORLDS = (2, 4)  # numbers of ranks, each run in turn in one answer process
 
 
 def _rows(rank: int, world: int):
@@ -60,19 +61,21 @@ def _expected(rank: int, world: int) -> tuple[list, list]:
     return expected.tolist(), counts
 
 
-def _on_ranks(module, world: int) -> list:
-    """In the answer's process: _rank_22 on `world` ranks."""
-    from check_exercise import run_world
+def _on_ranks(module, worlds: list) -> dict:
+    """In the answer's process: _rank_22 on each number of ranks in `worlds`, one run after the
+    other (one process and one fork server for all of them): {world: results by rank}."""
+    from check_exercise import run_worlds
 
-    return run_world(world, _rank_22, (module.__file__,), Path(module.__file__))
+    return run_worlds(worlds, _rank_22, (module.__file__,), Path(module.__file__))
 
 
 def check(path: Path) -> str:
     """Every row reaches the rank of its expert, in order, after the counts; two all-to-alls."""
     from check_exercise import WORLD_TIMEOUT_S, NotYet, answer
 
-    for world in (2, 4):
-        ranks = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
+    every = answer(path, _on_ranks, WORLDS, limit_s=len(WORLDS) * WORLD_TIMEOUT_S + 30)
+    for world in WORLDS:
+        ranks = every[world]
         setup = f"with {world} ranks and {2 * world} experts"
         for rank, r in enumerate(ranks):
             expected, want_counts = _expected(rank, world)

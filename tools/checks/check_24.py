@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 STARTER = "exercises/24_outer_step.py"
+WORLDS = (2, 3)  # numbers of ranks, each run in turn in one answer process
 ROUNDS = 2  # two outer steps: the second one uses the momentum of the first
 
 
@@ -77,11 +78,12 @@ def _expected(world: int, how: str, rank: int = 0) -> list:
     return out
 
 
-def _on_ranks(module, world: int) -> list:
-    """In the answer's process: _rank_24 on `world` ranks."""
-    from check_exercise import run_world
+def _on_ranks(module, worlds: list) -> dict:
+    """In the answer's process: _rank_24 on each number of ranks in `worlds`, one run after the
+    other (one process and one fork server for all of them): {world: results by rank}."""
+    from check_exercise import run_worlds
 
-    return run_world(world, _rank_24, (module.__file__,), Path(module.__file__))
+    return run_worlds(worlds, _rank_24, (module.__file__,), Path(module.__file__))
 
 
 def check(path: Path) -> str:
@@ -90,9 +92,10 @@ def check(path: Path) -> str:
 
     from check_exercise import WORLD_TIMEOUT_S, NotYet, answer
 
-    for world in (2, 3):
+    every = answer(path, _on_ranks, WORLDS, limit_s=len(WORLDS) * WORLD_TIMEOUT_S + 30)
+    for world in WORLDS:
         # the learner's outer_step runs in the answer's ranks; the formula is computed here
-        ranks = answer(path, _on_ranks, world, limit_s=WORLD_TIMEOUT_S + 30)
+        ranks = every[world]
         if not (isinstance(ranks, list) and len(ranks) == world and all(
                 isinstance(r, dict) and len(r.get("rounds", ())) == ROUNDS for r in ranks)):
             raise NotYet(f"with {world} ranks, the ranks did not return their {ROUNDS} rounds")
