@@ -107,11 +107,13 @@ checks: $(STAMP)
 lessons: $(STAMP)
 	@set -e; for n in $(LESSON_NUMS); do $(MAKE) --no-print-directory lesson-$$n; done
 
-# pytest-xdist workers: one per core, 4 at most (measured on 2 cores: the suite keeps both
-# cores 94-99% busy with 2 workers, so a third has little to fill). Each test file runs on
-# one worker, so its fixtures run once, unless it says SPREAD_OVER_WORKERS = True
+# pytest-xdist workers: one more than the cores, 4 at most. Many tests wait (a hang for its
+# timeout, a check for its limit, a Slurm job in the queue) while holding their worker;
+# measured on 2 cores (2026-12-07, /proc/stat over the whole suite): with 2 workers the cores
+# were 86-88% busy and the suite took 845-910 s, with 3 workers 96% and 793 s. Each test file
+# runs on one worker, so its fixtures run once, unless it says SPREAD_OVER_WORKERS = True
 # (tests/conftest.py).
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 3 ? n + 1 : 4 )))
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
