@@ -1,7 +1,9 @@
 """tools/lesson_costs.py: the guide's table of what each lesson costs is measured, not typed."""
 import os
 import re
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -92,6 +94,44 @@ def test_update_measures_some_rows_again_and_keeps_the_others(tmp_path, monkeypa
         assert rows[0] in text and "| 02 | 10 s | 9-10 s | 710 MiB |" in text and "failed" not in text
         assert extra[0] in text
     assert "load average 4.0-9.0" in en.read_text() and "平均负载 4.0-9.0" in zh.read_text()
+
+
+def test_what_other_jobs_took_is_measured_apart_from_the_lessons_own_load(tmp_path, monkeypatch):
+    """The load average counts the lesson's own processes: 4 ranks alone on 2 cores gave 4-6,
+    and the header said "a machine other jobs kept busy" about an idle machine. Before each
+    run the cores other jobs keep busy are measured (1 s, nothing of ours running); they decide
+    idle or busy, and an --update keeps and widens them."""
+    before = len(lc.OTHERS)
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # another job: one core
+    try:
+        time.sleep(0.5)
+        lc.measure([sys.executable, "-c", "pass"])
+    finally:
+        spin.kill()
+        spin.wait()
+    assert len(lc.OTHERS) == before + 1 and lc.OTHERS[-1] > 0.5, lc.OTHERS
+    idle, idle_zh = lc.conditions([1.0, 6.0], cores=2, others=[0.0, 0.1])
+    busy, busy_zh = lc.conditions([1.0, 6.0], cores=2, others=[0.0, 1.2])
+    assert idle.startswith("an otherwise idle machine") and "up to 0.1 of 2 cores" in idle
+    assert "load average 1.0-6.0" in idle and "their own processes included" in idle
+    assert "other jobs kept busy" in busy and "up to 1.2 of 2 cores" in busy
+    assert "最多占用 0.1 个核" in idle_zh and "最多占用 1.2 个核" in busy_zh
+    en, zh = tmp_path / "en.md", tmp_path / "zh.md"
+    rows = ["| 01 | 9 s | 8-9 s | 700 MiB | - | - | - |"]
+    for path, is_zh in ((en, False), (zh, True)):
+        path.write_text(f"# Guide\n\n{lc.BEGIN}\n{lc.END}\n")
+        lc.write(path, lc.table(rows, zh=is_zh, loads=[1.0, 6.0], others=[0.0, 0.1]))
+    assert lc.current_table(en)[2:] == ([1.0, 6.0], [0.1]) and lc.current_table(zh)[2:] == ([1.0, 6.0], [0.1])
+
+    def measured_again(num, copy):  # a stand-in for a real run: another job took a core meanwhile
+        lc.OTHERS.append(1.0)
+        return f"| {num} | 10 s | 9-10 s | 710 MiB | - | - | - |"
+
+    monkeypatch.setattr(lc, "lessons", lambda wanted: ["01"])
+    monkeypatch.setattr(lc, "row", measured_again)
+    monkeypatch.setattr(lc, "OTHERS", [])
+    lc.update(["01"], guides=(en, zh))
+    assert "other jobs kept busy (other jobs: up to 1.0 of" in en.read_text()
 
 
 def test_the_lines_an_answer_changes_are_counted_from_the_files():

@@ -12,9 +12,10 @@ docs/zh/TEACHING.md, so the guide's numbers are this machine's, never typed by h
 Each lesson runs in a scratch copy of the repository whose runs/ starts empty, as in a fresh
 clone: its first run trains and caches what it compares with (lesson 13's reference for Part
 2, lesson 22's one-process runs), then it runs twice more (the later runs, read from that
-cache). The numbers are wall-clock seconds, so they depend on what else the machine does: the
-load average (processes wanting a core, from /proc/loadavg) is sampled during every run and
-the table says what it was. Memory is the sum of the proportional set sizes (PSS) of the
+cache). The numbers are wall-clock seconds, so they depend on what else the machine does:
+before every run, the cores other jobs keep busy are measured for 1 s (/proc/stat, while
+nothing of ours runs), the load average (processes wanting a core, from /proc/loadavg, the
+lesson's own included) is sampled during every run, and the table says both. Memory is the sum of the proportional set sizes (PSS) of the
 lesson's process and everything under it, sampled every 0.1 s: the peak a laptop must hold
 (summed RSS would count torch's shared libraries once per process; /usr/bin/time -v reports
 the largest single process only).
@@ -84,10 +85,30 @@ def load_average() -> float:
 
 
 LOADS: list[float] = []  # every load average sampled during a measured run
+OTHERS: list[float] = []  # cores kept busy by other jobs, sampled just before each measured run
+
+
+def busy_core_seconds() -> float:
+    """CPU seconds all of this machine's cores have spent busy since it started (Linux /proc/stat)."""
+    try:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, open("/proc/stat").readline().split()[1:9])
+    except (OSError, ValueError):
+        return float("nan")
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def others_busy(seconds: float = 1.0) -> float:
+    """How many cores other jobs keep busy: measured over `seconds` while nothing of ours runs.
+    The load average cannot say it: it counts the lesson's own processes too (a 4-rank lesson
+    alone on 2 cores gives about 4), and it lags a minute behind."""
+    before, start = busy_core_seconds(), time.monotonic()
+    time.sleep(seconds)
+    return (busy_core_seconds() - before) / (time.monotonic() - start)
 
 
 def measure(cmd: list[str], timeout: float = 900, cwd: Path = ROOT) -> tuple[float, int, int]:
     """(wall seconds, peak summed PSS in bytes, exit code) of `cmd` and all it starts."""
+    OTHERS.append(others_busy())
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "100"})
@@ -182,10 +203,26 @@ def exercise_row(num: str, flags: list[str], why: str, copy: Path) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def conditions(loads: list[float], cores: int) -> tuple[str, str]:
-    """How busy the machine was while it measured (en, zh): the load average's range."""
+def conditions(loads: list[float], cores: int, others: list[float] = ()) -> tuple[str, str]:
+    """How busy the machine was while it measured (en, zh). With `others` (cores other jobs
+    kept busy, sampled before each run): idle when they never took more than a quarter of a
+    core; the load average's range is given beside, for what it is. Without them (a table
+    measured before they were sampled), the load average alone decides."""
     loads = [x for x in loads if x == x] or [0.0]
     low, high = min(loads), max(loads)
+    others = [x for x in others if x == x]
+    if others:
+        most = max(others)
+        load_en = f"load average {low:.1f}-{high:.1f} while the lessons ran, their own processes included"
+        load_zh = f"课程运行时平均负载 {low:.1f}-{high:.1f}，其中包括课程自己的进程"
+        if most <= 0.25:
+            return (f"an otherwise idle machine (other jobs: up to {most:.1f} of {cores} cores busy, "
+                    f"sampled for 1 s before each run; {load_en})",
+                    f"空闲的机器上（其他任务最多占用 {most:.1f} 个核，共 {cores} 个，每次运行前采样 1 秒；{load_zh}）")
+        return (f"a machine other jobs kept busy (other jobs: up to {most:.1f} of {cores} cores busy, "
+                f"sampled for 1 s before each run; {load_en}): on an idle laptop expect shorter times",
+                f"被其他任务占得很忙的机器上（其他任务最多占用 {most:.1f} 个核，共 {cores} 个，每次运行前采样 1 秒；"
+                f"{load_zh}）：空闲的笔记本上会更快")
     if high <= cores / 2:
         return (f"an otherwise idle machine (load average {low:.1f}-{high:.1f})",
                 f"空闲的机器上（平均负载 {low:.1f}-{high:.1f}）")
@@ -195,11 +232,12 @@ def conditions(loads: list[float], cores: int) -> tuple[str, str]:
             f"空闲的笔记本上会更快")
 
 
-def table(rows: list[str], zh: bool, extra: list[str] = (), loads: list[float] = ()) -> str:
+def table(rows: list[str], zh: bool, extra: list[str] = (), loads: list[float] = (),
+          others: list[float] = ()) -> str:
     cores = os.cpu_count() or 1
     cpu = f"{cores} cores, {platform.machine()}"
     when = time.strftime("%Y-%m-%d")
-    busy_en, busy_zh = conditions(list(loads), cores)
+    busy_en, busy_zh = conditions(list(loads), cores, list(others))
     if zh:
         head = (f"由 `make lesson-costs`（`.venv/bin/python tools/lesson_costs.py`）在 {cpu} 的{busy_zh}测得（{when}）。"
                 f"首次运行：在 runs/ 为空的副本里（如同新克隆），训练并缓存它要对照的基准；之后的运行：再运行 {LATER_RUNS} 次，"
@@ -236,14 +274,17 @@ def write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def current_table(path: Path) -> tuple[dict[str, str], list[str], list[float]]:
+def current_table(path: Path) -> tuple[dict[str, str], list[str], list[float], list[float]]:
     """What the guide's table holds now: its lesson rows by number, the exercise runs' rows,
-    and the load average's range its header states (to update a few rows, not all)."""
+    the load average's range and the other jobs' cores its header states (to update a few
+    rows, not all)."""
     inside = path.read_text().split(BEGIN, 1)[1].split(END, 1)[0]
     rows = {line[2:4]: line for line in inside.splitlines() if line.startswith("| ") and line[2:4].isdigit()}
     extra = [line for line in inside.splitlines() if line.startswith("| `make lesson-")]
     loads = re.search(r"load average ([\d.]+)-([\d.]+)", inside) or re.search(r"平均负载 ([\d.]+)-([\d.]+)", inside)
-    return rows, extra, [float(loads[1]), float(loads[2])] if loads else []
+    others = re.search(r"other jobs: up to ([\d.]+) of", inside) or re.search(r"其他任务最多占用 ([\d.]+) 个核", inside)
+    return (rows, extra, [float(loads[1]), float(loads[2])] if loads else [],
+            [float(others[1])] if others else [])
 
 
 GUIDES = (ROOT / "docs" / "TEACHING.md", ROOT / "docs" / "zh" / "TEACHING.md")
@@ -253,14 +294,16 @@ def update(wanted: list[str], guides: tuple[Path, Path] = GUIDES) -> None:
     """Measure `wanted` again (a row that failed while someone edited its check) and rewrite
     both guides' tables with them, the other rows as they were; the header's load range
     widens to this run's."""
-    rows, extra, loads = current_table(guides[0])
-    start = len(LOADS)
+    rows, extra, loads, others = current_table(guides[0])
+    start, start_others = len(LOADS), len(OTHERS)
     with tempfile.TemporaryDirectory(prefix="lesson-costs-") as folder:
         copy = scratch_copy(Path(folder))
         rows.update({n: row(n, copy) for n in wanted})
+    # without the other jobs' share in the old header, the old load range alone cannot say it
+    others = others + OTHERS[start_others:] if others or not loads else []
     ordered = [rows[n] for n in lessons([]) if n in rows]
-    write(guides[0], table(ordered, zh=False, extra=extra, loads=loads + LOADS[start:]))
-    write(guides[1], table(ordered, zh=True, extra=extra, loads=loads + LOADS[start:]))
+    write(guides[0], table(ordered, zh=False, extra=extra, loads=loads + LOADS[start:], others=others))
+    write(guides[1], table(ordered, zh=True, extra=extra, loads=loads + LOADS[start:], others=others))
     print(f"measured {' '.join(wanted)} again; wrote {guides[0].name} (en, zh)")
 
 
@@ -275,8 +318,8 @@ def main() -> None:
     if wanted:
         print("\n".join(rows))
         return
-    write(ROOT / "docs" / "TEACHING.md", table(rows, zh=False, extra=extra, loads=LOADS))
-    write(ROOT / "docs" / "zh" / "TEACHING.md", table(rows, zh=True, extra=extra, loads=LOADS))
+    write(ROOT / "docs" / "TEACHING.md", table(rows, zh=False, extra=extra, loads=LOADS, others=OTHERS))
+    write(ROOT / "docs" / "zh" / "TEACHING.md", table(rows, zh=True, extra=extra, loads=LOADS, others=OTHERS))
     print("wrote docs/TEACHING.md and docs/zh/TEACHING.md")
 
 
