@@ -38,10 +38,10 @@ help:
 		"make check-NN [FILE=path]" "check an answer to lesson NN's exercise (make checks lists them)" \
 		"make diff TO=NN [FROM=NN]" "what lesson NN adds to its parent (or to lesson FROM)" \
 		"make read" "the lessons as a website, each step's doc beside its code (runs/read/)" \
-		"make test" "run the test suite (pytest, CPU only, about 10 minutes on 2 cores)" \
+		"make test" "run the test suite (pytest, CPU only, about 14 minutes on 2 cores)" \
 		"make bench" "measured speedups and costs (2-3 minutes on 2 cores; writes runs/bench/)" \
 		"make bench-docs" "maintainers: make bench, then rewrite docs/PERFORMANCE.md (en, zh) and its plots" \
-		"make lesson-costs" "maintainers: measure every lesson's cost, rewrite docs/TEACHING.md's table (an hour or more)" \
+		"make lesson-costs" "maintainers: measure every lesson's cost, rewrite docs/TEACHING.md's table (half an hour or more)" \
 		"make gpu-check" "on a GPU machine: every lesson's GPU path against the CPU, one table (runs/gpu-check/)" \
 		"make docs-output" "rerun the commands whose output the docs show (DOCS=docs/01_*.md)" \
 		"make venv [CPU_ONLY=1]" "create .venv and install requirements.txt (done automatically)" \
@@ -107,13 +107,13 @@ checks: $(STAMP)
 lessons: $(STAMP)
 	@set -e; for n in $(LESSON_NUMS); do $(MAKE) --no-print-directory lesson-$$n; done
 
-# pytest-xdist workers: one more than the cores, 4 at most. Many tests wait (a hang for its
-# timeout, a check for its limit, a Slurm job in the queue) while holding their worker;
-# measured on 2 cores (2026-12-07, /proc/stat over the whole suite): with 2 workers the cores
-# were 86-88% busy and the suite took 845-910 s, with 3 workers 96% and 793 s. Each test file
+# pytest-xdist workers: one per core, 4 at most. Measured on 2 cores (2026-12-07, /proc/stat
+# over the whole suite): with 2 workers the cores are 86-88% busy; a third worker filled them
+# (96%) and saved 6% on a tree whose runs/ caches were warm, but from a fresh clone, where the
+# caches are built while the tests run, it took longer (912 s against 839 s). Each test file
 # runs on one worker, so its fixtures run once, unless it says SPREAD_OVER_WORKERS = True
 # (tests/conftest.py).
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 3 ? n + 1 : 4 )))
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
@@ -137,7 +137,7 @@ bench: $(STAMP)  ## measured performance: runs/bench/ (results.json, tables, plo
 bench-docs: $(STAMP)  ## rewrite the committed docs/PERFORMANCE.md, docs/zh/PERFORMANCE.md and docs/img/bench/ (needs matplotlib)
 	$(PY) -m bench.run --publish $(ARGS)
 
-lesson-costs: $(STAMP)  ## maintainers: measure what each lesson costs and rewrite docs/TEACHING.md's table (en, zh); an hour or more
+lesson-costs: $(STAMP)  ## maintainers: measure what each lesson costs and rewrite docs/TEACHING.md's table (en, zh); half an hour or more
 	$(PY) tools/lesson_costs.py $(ARGS)
 
 gpu-check: $(STAMP)  ## every lesson's GPU path against the same run on the CPU: runs/gpu-check/table.md (no CUDA: one line, exit 0)

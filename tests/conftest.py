@@ -219,6 +219,15 @@ def _ignored_signals() -> list[int]:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def worker_temp_folder_made_first(tmp_path_factory):
+    """This worker's temporary folder (popen-gwN), made once, before any test: pytest makes
+    it on first use, and two threads of one module fixture asking for their first folders at
+    once (lessons 12, 18, 23 run their jobs in threads) both tried to make it; one failed with
+    FileExistsError and every test of the module errored (seen under 3 xdist workers)."""
+    return tmp_path_factory.getbasetemp()
+
+
 @pytest.fixture(autouse=True)
 def no_signal_left_ignored():
     """A test that runs lesson code in this process must not leave a signal ignored or

@@ -5,7 +5,7 @@ student's file takes). Writes the tables between the markers in docs/TEACHING.md
 docs/zh/TEACHING.md, so the guide's numbers are this machine's, never typed by hand.
 
     make lesson-costs                                 # the same as the next line
-    .venv/bin/python tools/lesson_costs.py            # everything; rewrites both guides (about an hour idle)
+    .venv/bin/python tools/lesson_costs.py            # everything; rewrites both guides (about 30 min on 2 idle cores)
     .venv/bin/python tools/lesson_costs.py 01 15      # some lessons; prints the rows only
     .venv/bin/python tools/lesson_costs.py --update 07  # measure lesson 07 again, in both guides' tables
 
