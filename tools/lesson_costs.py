@@ -15,10 +15,10 @@ clone: its first run trains and caches what it compares with (lesson 13's refere
 cache). The numbers are wall-clock seconds, so they depend on what else the machine does:
 before every run, the cores other jobs keep busy are measured for 1 s (/proc/stat, while
 nothing of ours runs), the load average (processes wanting a core, from /proc/loadavg, the
-lesson's own included) is sampled during every run, and the table says both. Memory is the sum of the proportional set sizes (PSS) of the
-lesson's process and everything under it, sampled every 0.1 s: the peak a laptop must hold
-(summed RSS would count torch's shared libraries once per process; /usr/bin/time -v reports
-the largest single process only).
+lesson's own included) is sampled during every run, and the table says both. Memory is the
+sum of the proportional set sizes (PSS) of the lesson's process and everything under it,
+sampled every 0.1 s: the peak a laptop must hold (summed RSS would count torch's shared
+libraries once per process; /usr/bin/time -v reports the largest single process only).
 """
 from __future__ import annotations
 
@@ -299,8 +299,10 @@ def update(wanted: list[str], guides: tuple[Path, Path] = GUIDES) -> None:
     with tempfile.TemporaryDirectory(prefix="lesson-costs-") as folder:
         copy = scratch_copy(Path(folder))
         rows.update({n: row(n, copy) for n in wanted})
-    # without the other jobs' share in the old header, the old load range alone cannot say it
-    others = others + OTHERS[start_others:] if others or not loads else []
+    # A header from before the other jobs' cores were sampled gives only its load range: with
+    # no share for its rows, the load range alone must keep deciding idle or busy.
+    if others or not loads:
+        others = others + OTHERS[start_others:]
     ordered = [rows[n] for n in lessons([]) if n in rows]
     write(guides[0], table(ordered, zh=False, extra=extra, loads=loads + LOADS[start:], others=others))
     write(guides[1], table(ordered, zh=True, extra=extra, loads=loads + LOADS[start:], others=others))
