@@ -160,7 +160,10 @@ def walk(t: Terminal, last: int, timeout: float = 300) -> list:
         if upcoming and int(upcoming[-1]) == last:
             t.type("q")  # one key, no Enter
             return shown
-        assert not re.search(r"(?m)^Step \d+: ", t.drain(0.3)), f"it did not wait for Enter: {t.text!r}"
+        # A lesson that did not wait prints its next heading at once, within milliseconds;
+        # 0.1 s at each of about 200 pauses (0.3 s took a minute of the suite waiting). The
+        # single-process and multi-process tests below wait a whole second at one pause.
+        assert not re.search(r"(?m)^Step \d+: ", t.drain(0.1)), f"it did not wait for Enter: {t.text!r}"
         t.type("\n")
 
 
