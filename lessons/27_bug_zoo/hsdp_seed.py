@@ -24,8 +24,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import parity_layouts
-from common import transformer as T
-from zoo_kit import Outcome, lesson_13_model, mean_loss, recorder_for, replica_gap, whole_state
+from zoo_kit import Outcome, lesson_13_model, replica_gap, train_layout, whole_state
 
 NAME = "hsdp-seed"
 UPSTREAM = "allenai/OLMo-core#319"
@@ -49,19 +48,11 @@ def train(rank, world, mode, *, steps, seed, device, dtype=torch.float32, record
         fully_shard(block, mesh=mesh)  # a 2-D mesh: HSDP, no broadcast of the weights
     fully_shard(model, mesh=mesh)
     run = parity_layouts.Layout("hsdp", model, model, parity_layouts.data_rows(rank, world, parity_layouts.Bug()))
-    optimizer = T.make_optimizer(model)
-    recorder = recorder_for(model) if record else None
-    losses = []
-    for step in range(1, steps + 1):
-        x, y = (t.to(device) for t in T.batch(step - 1, seed))
-        loss = parity_layouts.train_step(run, optimizer, x, y, recorder if step in record else None, step)
-        if step in record:
-            recorder.collect()
-        losses.append(mean_loss(loss))
+    losses, recording = train_layout(run, model, steps=steps, seed=seed, device=device, record=record)
     # each rank's piece against the same piece in the first replica: 0 when the replicas agree
     evidence = {"replica_gap": replica_gap(model, mesh.get_group("replicate"))}
     state = whole_state(model, {})  # rank 0's: the first replica's, what a checkpoint holds
-    return Outcome(state, losses, recorder.recording if recorder else None, evidence) if rank == 0 else None
+    return Outcome(state, losses, recording, evidence) if rank == 0 else None
 
 
 def evidence_lines(evidence: dict) -> list[str]:

@@ -28,7 +28,7 @@ import torch
 
 import parity_layouts
 from common import transformer as T
-from zoo_kit import Outcome, lesson_13_model, mean_loss, recorder_for, replica_gap, shapes_of_lesson_13, whole_state
+from zoo_kit import Outcome, lesson_13_model, replica_gap, shapes_of_lesson_13, train_layout, whole_state
 
 NAME = "tp-same-seed"
 UPSTREAM = "Smol Training Playbook (SmolLM3)"  # huggingface.co/spaces/HuggingFaceTB/smol-training-playbook
@@ -69,19 +69,11 @@ def train(rank, world, mode, *, steps, seed, device, dtype=torch.float32, record
     run = parity_layouts.build("tp", model, rank, world, parity_layouts.Bug(), device)  # keeps our slice
     if mode == "bug":
         draw_own_shards(model, seed)
-    optimizer = T.make_optimizer(model)
-    recorder = recorder_for(model) if record else None
-    losses = []
-    for step in range(1, steps + 1):
-        x, y = (t.to(device) for t in T.batch(step - 1, seed))
-        loss = parity_layouts.train_step(run, optimizer, x, y, recorder if step in record else None, step)
-        if step in record:
-            recorder.collect()
-        losses.append(mean_loss(loss))
+    losses, recording = train_layout(run, model, steps=steps, seed=seed, device=device, record=record)
     # 0 where every rank holds the same numbers: right for the whole weights, wrong for the pieces
     evidence = {"shards_alike": replica_gap(model) == 0.0}
     state = whole_state(model, shapes_of_lesson_13())
-    return Outcome(state, losses, recorder.recording if recorder else None, evidence) if rank == 0 else None
+    return Outcome(state, losses, recording, evidence) if rank == 0 else None
 
 
 def evidence_lines(evidence: dict) -> list[str]:

@@ -102,6 +102,23 @@ def baseline(seed: int, steps: int, dtype=torch.float32, record: tuple = (), kin
     return state, losses, recorder.recording if recorder else None
 
 
+def train_layout(run, model: torch.nn.Module, *, steps: int, seed: int, device,
+                 record: tuple = ()) -> tuple[list[float], dict | None]:
+    """Lesson 13's loop through one of lesson 26's layouts (`run`, built on `model`): every rank
+    takes lesson 13's whole batch of each step and lesson 26's train_step feeds it its share.
+    Returns (the whole batch's loss of each step, the recording of the steps in `record`)."""
+    optimizer = T.make_optimizer(model)
+    recorder = recorder_for(model) if record else None
+    losses = []
+    for step in range(1, steps + 1):
+        x, y = (t.to(device) for t in T.batch(step - 1, seed))
+        loss = parity_layouts.train_step(run, optimizer, x, y, recorder if step in record else None, step)
+        if step in record:
+            recorder.collect()
+        losses.append(mean_loss(loss))
+    return losses, recorder.recording if recorder else None
+
+
 def whole_state(model: torch.nn.Module, shapes: dict) -> dict:
     """Every parameter of `model`, whole, on the CPU, on every rank: a DTensor gathers itself, a
     tensor-parallel piece is all-gathered along the dimension its layout cut (lesson 26's
