@@ -369,23 +369,13 @@ def test_a_stopped_rank_is_named_not_the_one_that_waited(tmp_path, cleanup, less
     assert not gone_within(set(ranks), 5)
 
 
-def test_lesson_05_parent_killed_with_sigkill_takes_its_ranks(tmp_path, cleanup):
-    job = Job([PY, "lessons/05_ddp_spawn.py", "--epochs", "400", "--out", tmp_path / "o"],
-              tmp_path, "a")
-    cleanup.append(job)
-    job.wait_for("Step 6: Train")
-    ranks = table_pids(job.stdout())
-    os.kill(job.proc.pid, signal.SIGKILL)
-    job.wait(10)
-    assert not gone_within(ranks, 5), "ranks outlived a SIGKILLed parent"
-    assert not (tmp_path / "o" / "final.pt").exists()
-
-
 def test_make_killed_with_sigkill_takes_the_whole_job(tmp_path, cleanup):
     """kill -9 of `make lesson-05` itself, the launcher the learner typed (issue 35): the job
     trained on (6 processes after 5 s, results written 10-15 s later). The recipe execs the
     Python, so make is its parent, and the lesson dies with make (die_with_make), its ranks
-    and fork server with it: within seconds nothing of the job is left, nothing is written."""
+    (mp.spawn's) with it: within seconds nothing of the job is left, nothing is written.
+    The lesson's own death is a SIGKILL (the kernel's, when make goes), so this is also the
+    test of a lesson killed with kill -9: its ranks go with it (die_with_parent)."""
     out = tmp_path / "o"
     job = Job(["make", "--no-print-directory", "lesson-05", f"ARGS=--epochs 400 --out {out}"],
               tmp_path, "make", forked=False)  # make is no Python: a new process, its own session
