@@ -109,10 +109,11 @@ lessons: $(STAMP)
 
 # pytest-xdist workers: one per core, 4 at most. Measured on 2 cores (2026-12-07, /proc/stat
 # over the whole suite): with 2 workers the cores are 86-88% busy; a third worker filled them
-# (96%) and saved 6% on a tree whose runs/ caches were warm, but from a fresh clone, where the
-# caches are built while the tests run, it took longer (912 s against 839 s). Each test file
-# runs on one worker, so its fixtures run once, unless it says SPREAD_OVER_WORKERS = True
-# (tests/conftest.py).
+# (96-98%), but the same tests then took more CPU (1,683 core-seconds, counted by a cgroup
+# around each worker, against 1,385-1,505 with two: more processes than cores), so the suite
+# took as long or longer (872 s and 912 s against 835-860 s from a fresh clone; 793 s once on
+# a warm tree). Each test file runs on one worker, so its fixtures run once, unless it says
+# SPREAD_OVER_WORKERS = True (tests/conftest.py).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
