@@ -3,7 +3,7 @@ and a file that tries to fool it does not.
 
 A check that passes on the starter could not tell a learner anything; one that fails on the
 solution would reject correct work. Both directions are tested for every checked exercise,
-with the command a learner or a teacher types (tools/check_exercise.py NN FILE). Then the
+with the command a learner or a teacher types (tools/check_exercise.py NN [FILE]). Then the
 tricks issue 35 found, each in a file of its own: the check must say "not yet" in one line,
 within a bound, and leave no process of the answer running.
 """
