@@ -412,8 +412,11 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
         # the first DDP, FSDP, DTensor or pipeline in a process imports it (torch 2.14.1:
         # DistributedDataParallel.__init__ asks it for its optimize_ddp mode), about 1.5 s
         # of CPU that each rank would otherwise spend on its own.
-        # Last: common/fork_server_exit.py, whose exit handler runs first when the server ends.
-        ctx.set_forkserver_preload(["torch._dynamo", *(preload or []), "common.fork_server_exit"])
+        # First: common/fork_server_start.py, which turns the garbage collector off for the
+        # imports (a third of the server's start). Last: common/fork_server_exit.py, which
+        # turns it back on, and whose exit handler runs first when the server ends.
+        ctx.set_forkserver_preload(["common.fork_server_start", "torch._dynamo", *(preload or []),
+                                    "common.fork_server_exit"])
         if not _FORK_SERVER_STOP:
             _FORK_SERVER_STOP.append(atexit.register(_stop_fork_server))
         _start_fork_server_deaf_to_ctrl_c()
