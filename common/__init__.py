@@ -56,9 +56,20 @@ def _interrupted_while_starting(signum, frame) -> None:
 # common.cli.run gives Python's own handler back to main(). Only in the lesson's own
 # process (its script is lessons/NN_*.py: a rank's and the fork server's is `-c`), and
 # only where Ctrl-C is not ignored already.
-if Path(sys.argv[0] if sys.argv else "").resolve().parent == ROOT / "lessons" \
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+_LESSON_SCRIPT = Path(sys.argv[0] if sys.argv else "").resolve().parent == ROOT / "lessons"
+if _LESSON_SCRIPT and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, _interrupted_while_starting)
+# No garbage collection while the lesson's script imports torch, until common.cli.run starts
+# its main(): the collector's passes over a heap that only grows (no import leaves garbage)
+# were a third of the time `import torch` took here (common/fork_server_start.py does the
+# same in the fork server). Only where the script runs as __main__: a rank that mp.spawn
+# starts runs the lesson's file under another name (its __main__ is `-c`) and never reaches
+# run(), so it keeps Python's default.
+_main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+if _LESSON_SCRIPT and _main_file and Path(_main_file).resolve() == Path(sys.argv[0]).resolve():
+    import gc
+
+    gc.disable()
 
 
 def lesson_module(number: str):

@@ -6,6 +6,7 @@ shorten that to one line that names the problem and the fix, and exit with code 
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import signal
 import sys
@@ -135,6 +136,9 @@ def run(main) -> None:
     die_with_make()
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # started: Python's own again
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not gc.isenabled():  # off while the script imported torch (common/__init__.py)
+        gc.freeze()  # what it imported: kept, and never walked by a collection again
+        gc.enable()
     try:
         main()
     except KeyboardInterrupt:

@@ -419,9 +419,11 @@ def _keep(spec: dict) -> None:
 def _answer(folder: Path) -> None:
     """The answer's process: load the learner's file, run the probe, write what it returned
     (or the NotYet it raised) to result.pt, and end at once (no atexit handler runs)."""
+    import gc
     import io
     import traceback
 
+    gc.disable()  # while torch and the check import (a third of the time: common/fork_server_start.py)
     import torch
 
     from common.processes import set_parent_death_signal
@@ -434,6 +436,8 @@ def _answer(folder: Path) -> None:
     sys.path.insert(0, str(CHECKS_DIR))
     path = Path(spec["path"])
     probe = getattr(__import__(spec["check"]), spec["probe"])  # before the learner's code runs
+    gc.freeze()  # what was imported: never walked again; the learner's code runs with the default
+    gc.enable()
     (folder / "ready").touch()  # the keeper's clock for the import starts now
     try:
         try:
