@@ -36,6 +36,36 @@ def _print_pid_and_wait(rank: int, world: int) -> None:
     time.sleep(120)
 
 
+def _collector(rank: int, world: int) -> dict:
+    import gc
+    return {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+
+
+def test_ranks_collect_garbage_but_not_what_the_fork_server_imported():
+    """The fork server imports torch with the garbage collector off (common/fork_server_start.py,
+    a third of its start-up) and freezes what it imported (common/fork_server_exit.py): every
+    rank collects as usual, and never walks torch's objects."""
+    for got in run_ranks(_collector, 2, (), timeout_s=120):
+        assert got["enabled"] and got["frozen"] > 100_000, got
+
+
+def test_run_turns_the_collector_back_on_before_main():
+    """A lesson's script imports torch with the collector off (common/__init__.py); common.cli.run
+    freezes what was imported and turns it back on before the lesson's main() runs."""
+    import gc
+
+    from common.cli import run
+
+    seen = {}
+    gc.disable()
+    try:
+        run(lambda: seen.update(enabled=gc.isenabled(), frozen=gc.get_freeze_count()))
+    finally:
+        gc.enable()
+        gc.unfreeze()
+    assert seen["enabled"] and seen["frozen"] > 0, seen
+
+
 def test_every_ranks_result_by_rank():
     got = run_ranks(_sum_of_ranks, 3, (10,), timeout_s=120)
     assert got == [{"rank": r, "sum": 13.0, "world": 3} for r in range(3)]
