@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import parity_layouts
-from common import transformer as T
-from zoo_kit import Outcome, lesson_13_model, mean_loss, recorder_for, whole_state
+from zoo_kit import Outcome, lesson_13_model, train_layout, whole_state
 
 NAME = "gloo-avg"
 UPSTREAM = "pytorch/pytorch#162338"
@@ -81,19 +80,11 @@ def train(rank, world, mode, *, steps, seed, device, dtype=torch.float32, record
         for module in (*model.blocks, model):
             module.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM, then / N: no AVG asked
     run = parity_layouts.Layout("fsdp", model, model, parity_layouts.data_rows(rank, world, parity_layouts.Bug()))
-    optimizer = T.make_optimizer(model)
-    recorder = recorder_for(model) if record else None
-    losses = []
     with old_gloo_reduce_scatter():
-        for step in range(1, steps + 1):
-            x, y = (t.to(device) for t in T.batch(step - 1, seed))
-            loss = parity_layouts.train_step(run, optimizer, x, y, recorder if step in record else None, step)
-            if step in record:
-                recorder.collect()
-            losses.append(mean_loss(loss))
+        losses, recording = train_layout(run, model, steps=steps, seed=seed, device=device, record=record)
     evidence = {"gloo_avg_of_ranks": gloo_averages(), "world": world}  # torch 2.14.1's own gloo, outside the re-creation
     state = whole_state(model, {})
-    return Outcome(state, losses, recorder.recording if recorder else None, evidence) if rank == 0 else None
+    return Outcome(state, losses, recording, evidence) if rank == 0 else None
 
 
 def evidence_lines(evidence: dict) -> list[str]:
