@@ -251,7 +251,7 @@ def _rank_in_group(rank: int, world: int, port: int, backend: str | None, group_
 
 def run_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None = 120,
               group_timeout_s: float = 20, backend: str | None = "gloo",
-              threads: int | None = 1) -> list:
+              threads: int | None = 1, fork_here: bool = False) -> list:
     """target(rank, world, *args) on `world` new processes in a gloo group: what each returned,
     by rank. How the exercise checks, bench/ and the tests start ranks (the lessons use spawn,
     above; both are start_ranks underneath).
@@ -263,9 +263,12 @@ def run_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None =
     Raises RankFailed for the first rank that raised, died or did not finish in time, after
     stopping the others; KeyboardInterrupt (also for SIGTERM and SIGHUP) after stopping every
     rank. The ranks die with their parent, and a rank still alive at the end is killed.
+    fork_here: the ranks are forked from this process, not from a fork server (start_ranks
+    says when that is safe).
     """
     return start_ranks(_rank_in_group, world, (free_port(), backend, group_timeout_s, target, args),
-                       timeout_s=timeout_s, threads=threads, preload=RUN_RANKS_PRELOAD)
+                       timeout_s=timeout_s, threads=threads, preload=RUN_RANKS_PRELOAD,
+                       fork_here=fork_here)
 
 
 def say_each(ui, message: str) -> None:

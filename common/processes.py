@@ -248,6 +248,11 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
     os.environ.update(environ)  # the job's environment now, not the fork server's at its start
     die_with_parent()  # our parent (the fork server, or the job's process) dies: so do we
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignored Ctrl-C
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        # forked from the job's process itself (fork_here): its stop_signals() handler came
+        # along; a rank ends on SIGTERM as any process does
+        if sig is not None and signal.getsignal(sig) is _raise_stopped:
+            signal.signal(sig, signal.SIG_DFL)
     import faulthandler
     import gc
     import io
@@ -382,7 +387,8 @@ def _silent_death(procs, results, spoke: set, wait_s: float = 1.0) -> int | None
 
 
 def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None = None,
-                threads: int | None = None, preload: list[str] | None = None) -> list:
+                threads: int | None = None, preload: list[str] | None = None,
+                fork_here: bool = False) -> list:
     """target(rank, world, *args) on `world` new processes: what each returned, by rank.
 
     Each rank is forked from multiprocessing's "fork server", a fresh Python that has
@@ -399,6 +405,13 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
     rank that raised, died or did not finish in time, after stopping the others (they may be
     waiting for it); KeyboardInterrupt (also for SIGTERM and SIGHUP, as Stopped) after
     stopping every rank. A rank still alive when the run ends, well or not, is killed.
+
+    fork_here: fork each rank from this very process, with no server to start (about 2.5 s
+    of CPU less: the server imports torch and torch._dynamo again). Only for a process that
+    has started no OpenMP thread yet and never used CUDA: GNU OpenMP's threads do not survive
+    a fork, and a child's first parallel operation then waits forever (measured with torch
+    2.14.1 after a 2-thread matmul). The exercise checks' answer is such a process, and says
+    so only while it is (tools/check_exercise.py); a lesson's own process has often trained.
     """
     import io
     import multiprocessing
@@ -406,7 +419,20 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
 
     import torch
 
-    if "forkserver" in multiprocessing.get_all_start_methods():
+    if fork_here:
+        # What the server would have imported, imported here once: each rank has it then.
+        import gc
+        import importlib
+
+        gc.disable()  # as the server does (common/fork_server_start.py, fork_server_exit.py):
+        try:  # no collection during the imports, and what they made is never scanned again
+            for name in ["torch._dynamo", *(preload or [])]:
+                importlib.import_module(name)
+        finally:
+            gc.freeze()
+            gc.enable()
+        ctx = multiprocessing.get_context("fork")
+    elif "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
         # Preloads take effect only when this process's server starts. torch._dynamo is one:
         # the first DDP, FSDP, DTensor or pipeline in a process imports it (torch 2.14.1:
@@ -422,23 +448,26 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
         _start_fork_server_deaf_to_ctrl_c()
     else:
         ctx = multiprocessing.get_context("spawn")  # as mp.spawn does
-    # One pipe per rank for its one message back (what it returned, or raised): a pipe, not
-    # a multiprocessing Queue, whose locks are named semaphores that outlive a killed job
-    # ("There appear to be 1 leaked semaphore objects" printed after the shell's prompt).
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
-    results = [reader for reader, _ in pipes]
     share_terminal_with_children()  # --step: rank 0 asks on our terminal, in every lesson
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world, environ, target, args, threads, pipes[r][1]))
-             for r in range(world)]
+    results: list = []  # what each rank sends back, by rank
+    procs: list = []
     got: dict = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     quiet_since = None
     with stop_signals():
         try:
-            for p, (_, writer) in zip(procs, pipes):
-                p.start()
+            for r in range(world):
+                # One pipe per rank for its one message back (what it returned, or raised): a
+                # pipe, not a multiprocessing Queue, whose locks are named semaphores that
+                # outlive a killed job ("There appear to be 1 leaked semaphore objects" after
+                # the shell's prompt). Made as its rank starts: a rank forked from here holds
+                # no copy of another rank's end, which would keep that pipe open.
+                reader, writer = ctx.Pipe(duplex=False)
+                results.append(reader)
+                procs.append(ctx.Process(target=_rank_main, daemon=True,
+                                         args=(r, world, environ, target, args, threads, writer)))
+                procs[r].start()
                 writer.close()  # the rank has its own copy: the pipe ends when the rank does
             while len(got) < world:
                 message = None
@@ -482,11 +511,16 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
                 got[rank] = torch.load(io.BytesIO(payload), weights_only=True)
         finally:
             finished = len(got) == world
+            # Each rank's exit status, not join(timeout): under fork_here that waits on a pipe
+            # which a process the rank started, and left running, also holds (a learner's
+            # file that forks as it is imported made each rank's join wait its whole 15 s).
+            ends = time.monotonic() + (15 if finished else 0.1)
             for p in procs:
                 if p.pid is None:  # never started
                     continue
-                p.join(timeout=15 if finished else 0.1)
-                if p.is_alive():
+                while p.exitcode is None and time.monotonic() < ends:
+                    time.sleep(0.01)
+                if p.exitcode is None:
                     p.kill()
                     p.join()
     return [got[r] for r in range(world)]

@@ -266,6 +266,55 @@ def test_every_process_the_answer_started_ends_with_the_check(tmp_path):
     assert not left, f"still running after the check: {left}"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task, as the harness does")
+def test_ranks_are_forked_from_the_answer_unless_its_file_started_openmp(tmp_path):
+    """The answer forks its ranks itself (no fork server importing torch again: about 2.5 s of
+    CPU per check), but only while it has no thread its imports did not start. A file that
+    computes on 2 threads as it is imported has started OpenMP's, which a fork breaks (the
+    ranks' first parallel operation waited forever, and check-10 hung): its ranks come from a
+    fork server, and the solution still passes. Each file notes the answer's pid as it is
+    imported there, and each rank its parent's."""
+    note = """\
+        import multiprocessing
+        import os
+        from pathlib import Path
+
+        _ring = ring_all_reduce
+        _NOTES = Path(__file__).with_suffix(".pids")
+
+
+        def ring_all_reduce(tensor):
+            with open(_NOTES, "a") as f:
+                f.write(f"rank {os.getppid()}\\n")
+            return _ring(tensor)
+
+
+        if multiprocessing.parent_process() is None:  # the answer's process, not a rank
+            with open(_NOTES, "a") as f:
+                f.write(f"answer {os.getpid()}\\n")
+        """
+    openmp = """\
+        import torch
+        torch.set_num_threads(2)
+        torch.ones(1 << 20).exp()  # OpenMP's threads start here
+        """
+    solution = (ROOT / "tests" / "solutions" / "10_ring_all_reduce.py").read_text()
+    files = {}
+    for name, added in (("plain", ""), ("openmp", openmp)):
+        (tmp_path / name).mkdir()
+        files[name] = hostile(tmp_path / name, "10_ring_all_reduce.py",
+                              solution + textwrap.dedent(added) + textwrap.dedent(note))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        verdicts = dict(zip(files, pool.map(lambda p: check_cli("10", p, timeout=300), files.values())))
+    for name, path in files.items():
+        code, text = verdicts[name]
+        assert code == 0 and text.startswith("ok: "), (name, text)
+        notes = [line.split() for line in path.with_suffix(".pids").read_text().splitlines()]
+        [answer] = [int(pid) for kind, pid in notes if kind == "answer"]
+        parents = {int(pid) for kind, pid in notes if kind == "rank"}
+        assert parents == {answer} if name == "plain" else answer not in parents, (name, answer, parents)
+
+
 def test_ranks_that_exit_0_are_one_line(tmp_path):
     """check-24 whose ranks exit 0 in outer_step: a TypeError traceback in the checker
     (check_24.py:90) before."""

@@ -126,6 +126,20 @@ def max_diff(a: dict, b: dict) -> float:
 
 GROUP_TIMEOUT_S = 20   # every collective and point-to-point message gives up after this
 WORLD_TIMEOUT_S = 120  # a whole run of ranks, start-up included (torch imports take a while)
+_ANSWER_THREADS: list = []  # in the answer's process: its threads once the imports were done
+
+
+def _fork_here() -> bool:
+    """Whether ranks may be forked from this process itself (run_ranks' fork_here): only in
+    the answer's process, while it has no thread besides those it had once torch and the
+    check were imported (Linux: /proc/self/task). So no OpenMP thread exists yet, which a fork
+    would break, and no fork server is started (it imports torch again: about 2.5 s of CPU
+    per check). A learner's file that computes as it is imported may start OpenMP's threads:
+    then a fork server, as the lessons use."""
+    try:
+        return bool(_ANSWER_THREADS) and len(os.listdir("/proc/self/task")) <= _ANSWER_THREADS[0]
+    except OSError:
+        return False
 
 
 def run_world(world: int, target, args: tuple, learner: Path) -> list:
@@ -138,7 +152,7 @@ def run_world(world: int, target, args: tuple, learner: Path) -> list:
 
     try:
         results = run_ranks(target, world, args, timeout_s=WORLD_TIMEOUT_S,
-                            group_timeout_s=GROUP_TIMEOUT_S)
+                            group_timeout_s=GROUP_TIMEOUT_S, fork_here=_fork_here())
     except RankFailed as failed:
         if failed.kind == "timeout":
             raise NotYet(f"the {world} ranks did not finish within {WORLD_TIMEOUT_S}s: "
@@ -170,9 +184,9 @@ def run_world(world: int, target, args: tuple, learner: Path) -> list:
 
 def run_worlds(worlds, target, args: tuple, learner: Path) -> dict:
     """run_world on each number of ranks in `worlds`, one after the other, in this process:
-    {world: the results by rank}. One answer's process and its fork server serve every run
-    (a new answer per world paid for both again: about 5 s of CPU each). The first world that
-    fails ends it with that world's NotYet."""
+    {world: the results by rank}. One answer's process serves every run (a new answer per
+    world paid for its start again: torch's imports, about 2 s of CPU each). The first world
+    that fails ends it with that world's NotYet."""
     return {world: run_world(world, target, args, learner) for world in worlds}
 
 
@@ -438,6 +452,8 @@ def _answer(folder: Path) -> None:
     probe = getattr(__import__(spec["check"]), spec["probe"])  # before the learner's code runs
     gc.freeze()  # what was imported: never walked again; the learner's code runs with the default
     gc.enable()
+    with contextlib.suppress(OSError):  # no /proc (not Linux): ranks from a fork server
+        _ANSWER_THREADS.append(len(os.listdir("/proc/self/task")))
     (folder / "ready").touch()  # the keeper's clock for the import starts now
     try:
         try:

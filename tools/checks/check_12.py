@@ -45,7 +45,7 @@ def _rank_12(rank: int, world: int, path: str, weights: dict) -> dict:
 
 def _on_ranks(module, worlds: list, weights: dict) -> dict:
     """In the answer's process: _rank_12 on each number of ranks in `worlds`, one run after the
-    other (one process and one fork server for all of them): {world: results by rank}."""
+    other (one process for all of them, which forks their ranks): {world: results by rank}."""
     from check_exercise import run_worlds
 
     return run_worlds(worlds, _rank_12, (module.__file__, weights), Path(module.__file__))

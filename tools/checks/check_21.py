@@ -88,7 +88,7 @@ def _ring_inputs(batch: int = 4):
 
 def _on_ranks(module, worlds: list) -> dict:
     """In the answer's process: _rank_21 on each number of ranks in `worlds`, one run after the
-    other (one process and one fork server for all of them): {world: results by rank}."""
+    other (one process for all of them, which forks their ranks): {world: results by rank}."""
     from check_exercise import run_worlds
 
     return run_worlds(worlds, _rank_21, (module.__file__,), Path(module.__file__))
