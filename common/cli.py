@@ -131,7 +131,7 @@ def run(main) -> None:
     """Run a lesson's main(); Ctrl-C ends it with one line instead of a traceback. Started
     by make, it dies with make (common/processes.py: die_with_make)."""
     from common import _interrupted_while_starting
-    from common.processes import die_with_make
+    from common.processes import die_with_make, forkable_from_here
 
     die_with_make()
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # started: Python's own again
@@ -139,6 +139,7 @@ def run(main) -> None:
     if not gc.isenabled():  # off while the script imported torch (common/__init__.py)
         gc.freeze()  # what it imported: kept, and never walked by a collection again
         gc.enable()
+    forkable_from_here()  # its ranks are forked from it while it starts no thread (start_ranks)
     try:
         main()
     except KeyboardInterrupt:

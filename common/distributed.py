@@ -214,8 +214,9 @@ def _lesson_rank(rank: int, world: int, fn, args: tuple) -> None:
 
 def spawn(fn, args: tuple, nprocs: int) -> None:
     """mp.spawn(fn, args, nprocs, join=True), through common/processes.py's start_ranks:
-    each rank is forked from a fork server that imports the lesson and torch once (mp.spawn
-    starts a fresh Python per rank, which imports torch again). A failing rank stops the
+    each rank is forked from this process, which has imported torch already (from a fork
+    server that imports it once, if this process has started threads since), where mp.spawn
+    starts a fresh Python per rank, which imports torch again. A failing rank stops the
     others, and the job ends with one short line. supervise(): Ctrl-C stops every rank."""
     try:
         with supervise():
@@ -251,7 +252,7 @@ def _rank_in_group(rank: int, world: int, port: int, backend: str | None, group_
 
 def run_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None = 120,
               group_timeout_s: float = 20, backend: str | None = "gloo",
-              threads: int | None = 1, fork_here: bool = False) -> list:
+              threads: int | None = 1) -> list:
     """target(rank, world, *args) on `world` new processes in a gloo group: what each returned,
     by rank. How the exercise checks, bench/ and the tests start ranks (the lessons use spawn,
     above; both are start_ranks underneath).
@@ -263,12 +264,9 @@ def run_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None =
     Raises RankFailed for the first rank that raised, died or did not finish in time, after
     stopping the others; KeyboardInterrupt (also for SIGTERM and SIGHUP) after stopping every
     rank. The ranks die with their parent, and a rank still alive at the end is killed.
-    fork_here: the ranks are forked from this process, not from a fork server (start_ranks
-    says when that is safe).
     """
     return start_ranks(_rank_in_group, world, (free_port(), backend, group_timeout_s, target, args),
-                       timeout_s=timeout_s, threads=threads, preload=RUN_RANKS_PRELOAD,
-                       fork_here=fork_here)
+                       timeout_s=timeout_s, threads=threads, preload=RUN_RANKS_PRELOAD)
 
 
 def say_each(ui, message: str) -> None:

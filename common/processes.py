@@ -249,8 +249,8 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
     die_with_parent()  # our parent (the fork server, or the job's process) dies: so do we
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignored Ctrl-C
     for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        # forked from the job's process itself (fork_here): its stop_signals() handler came
-        # along; a rank ends on SIGTERM as any process does
+        # forked from the job's own process: its stop_signals() handler came along; a rank
+        # ends on SIGTERM as any process does
         if sig is not None and signal.getsignal(sig) is _raise_stopped:
             signal.signal(sig, signal.SIG_DFL)
     import faulthandler
@@ -299,6 +299,32 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
     gc.collect()  # free anything (a DDP reducer) that still holds the group, then leave
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+_FORKABLE: list = []  # this process's thread count when it said its ranks may be forked from it
+
+
+def forkable_from_here() -> None:
+    """Say, once the imports are done, that this process may fork its ranks itself (start_ranks)
+    for as long as it starts no thread: a lesson's own process (common.cli.run, before main())
+    and an exercise check's answer say so. Linux only (it counts /proc/self/task)."""
+    with contextlib.suppress(OSError):
+        _FORKABLE[:] = [len(os.listdir("/proc/self/task"))]
+
+
+def _may_fork_here() -> bool:
+    """True while this process has said forkable_from_here() and has started no thread since,
+    and has not initialized CUDA. A thread more may be one of OpenMP's: GNU OpenMP's threads do
+    not survive a fork, and the child's first parallel operation then waits forever (measured
+    with torch 2.14.1: a 2-thread matmul, a fork, an exp() in the child); a CUDA context does
+    not survive one either."""
+    torch = sys.modules.get("torch")
+    if not _FORKABLE or (torch is not None and torch.cuda.is_initialized()):
+        return False
+    try:
+        return len(os.listdir("/proc/self/task")) <= _FORKABLE[0]
+    except OSError:
+        return False
 
 
 _FORK_SERVER_STOP: list = []  # the atexit handler below, once registered
@@ -387,16 +413,18 @@ def _silent_death(procs, results, spoke: set, wait_s: float = 1.0) -> int | None
 
 
 def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None = None,
-                threads: int | None = None, preload: list[str] | None = None,
-                fork_here: bool = False) -> list:
+                threads: int | None = None, preload: list[str] | None = None) -> list:
     """target(rank, world, *args) on `world` new processes: what each returned, by rank.
 
-    Each rank is forked from multiprocessing's "fork server", a fresh Python that has
-    imported `preload` once, so a rank does not import torch again, as each of mp.spawn's
-    fresh Pythons does. ("__main__", the job's script, is a no-op there on Python 3.11: the
-    server is handed the script's path under a key it does not read; each rank imports it.) Not plain "fork" from this
-    process: one that has used OpenMP threads or CUDA cannot be forked safely. ("spawn"
-    where there is no fork server.) Each rank gets this process's environment as it is now.
+    Each rank is forked, so it does not import torch again, as each of mp.spawn's fresh
+    Pythons does. From this very process when it may be (forkable_from_here: a lesson's own
+    process, or an exercise check's answer, that has started no thread since its imports),
+    with `preload` and torch._dynamo imported here first. Otherwise from multiprocessing's
+    "fork server", a fresh Python that imports `preload` once (about 2.5 s of CPU more): a
+    process that has started OpenMP's threads or used CUDA cannot be forked safely.
+    ("__main__", the job's script, is a no-op in the server on Python 3.11: it is handed the
+    script's path under a key it does not read; each rank imports it. "spawn" where there is
+    no fork server.) Each rank gets this process's environment as it is now.
 
     Values go back with torch.save and torch.load(weights_only=True): tensors, numbers,
     strings, lists, dicts, None. A rank that ends itself with exit code 0 (os._exit(0), as
@@ -405,13 +433,6 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
     rank that raised, died or did not finish in time, after stopping the others (they may be
     waiting for it); KeyboardInterrupt (also for SIGTERM and SIGHUP, as Stopped) after
     stopping every rank. A rank still alive when the run ends, well or not, is killed.
-
-    fork_here: fork each rank from this very process, with no server to start (about 2.5 s
-    of CPU less: the server imports torch and torch._dynamo again). Only for a process that
-    has started no OpenMP thread yet and never used CUDA: GNU OpenMP's threads do not survive
-    a fork, and a child's first parallel operation then waits forever (measured with torch
-    2.14.1 after a 2-thread matmul). The exercise checks' answer is such a process, and says
-    so only while it is (tools/check_exercise.py); a lesson's own process has often trained.
     """
     import io
     import multiprocessing
@@ -419,6 +440,7 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
 
     import torch
 
+    fork_here = _may_fork_here()
     if fork_here:
         # What the server would have imported, imported here once: each rank has it then.
         import gc
@@ -511,9 +533,9 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
                 got[rank] = torch.load(io.BytesIO(payload), weights_only=True)
         finally:
             finished = len(got) == world
-            # Each rank's exit status, not join(timeout): under fork_here that waits on a pipe
-            # which a process the rank started, and left running, also holds (a learner's
-            # file that forks as it is imported made each rank's join wait its whole 15 s).
+            # Each rank's exit status, not join(timeout): for a rank forked from here, that
+            # waits on a pipe which a process the rank started and left running also holds
+            # (a learner's file that forks as it is imported: each join waited its whole 15 s).
             ends = time.monotonic() + (15 if finished else 0.1)
             for p in procs:
                 if p.pid is None:  # never started

@@ -185,7 +185,7 @@ def main() -> None:
     # Step 1: Start N processes on gloo
     # Same start as lesson 05: the address of the rendezvous store goes in the environment,
     # spawn() starts one process per rank, as mp.spawn does (common/distributed.py forks
-    # them from a fork server, so torch is imported once, not once per rank). gloo, because it moves CPU tensors, and every
+    # them from this process, so torch is imported once, not once per rank). gloo, because it moves CPU tensors, and every
     # tensor here lives on the CPU: bytes on the wire do not depend on the device.
     ui.step(1, "Start N processes on gloo")
     os.environ["MASTER_ADDR"] = "127.0.0.1"

@@ -1,5 +1,6 @@
 """common/distributed.py's run_ranks, the one way checks, bench and tests start N ranks: every
 rank's result, or the failing rank's error, within a timeout, and nothing left behind."""
+import json
 import os
 import signal
 import subprocess
@@ -41,6 +42,36 @@ def _collector(rank: int, world: int) -> dict:
     return {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
 
 
+def _parent_after_a_parallel_op(rank: int, world: int) -> int:
+    torch.set_num_threads(2)
+    torch.ones(1 << 22).exp().sum()  # on 2 OpenMP threads
+    return os.getppid()
+
+
+def test_ranks_are_forked_from_a_process_that_said_so_until_it_starts_a_thread():
+    """forkable_from_here(), said once the imports are done (common.cli.run before a lesson's
+    main(), an exercise check's answer): the ranks are forked from that process itself, no
+    fork server. After a thread more (here OpenMP's, started by a 2-thread operation; in
+    lesson 08, the store the parent hosts) they come from a fork server, and still compute on
+    2 threads: forked from that process, a rank's first parallel operation waited forever."""
+    code = ("import json, os, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+            "import torch\n"
+            "from common.distributed import run_ranks\n"
+            "from common.processes import forkable_from_here\n"
+            "from test_ranks import _parent_after_a_parallel_op as op\n"
+            "forkable_from_here()\n"
+            "first = run_ranks(op, 2, timeout_s=60)\n"
+            "torch.set_num_threads(2)\n"
+            "torch.ones(1 << 22).exp().sum()  # OpenMP's threads start here\n"
+            "print(json.dumps([os.getpid(), first, run_ranks(op, 2, timeout_s=60)]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT), str(ROOT / "tests")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pid, first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first == [pid] * 2, proc.stdout  # forked from the process itself
+    assert pid not in second, proc.stdout   # from a fork server
+
+
 def test_ranks_collect_garbage_but_not_what_the_fork_server_imported():
     """The fork server imports torch with the garbage collector off (common/fork_server_start.py,
     a third of its start-up) and freezes what it imported (common/fork_server_exit.py): every
@@ -56,6 +87,8 @@ def test_run_turns_the_collector_back_on_before_main():
 
     from common.cli import run
 
+    from common import processes
+
     seen = {}
     gc.disable()
     try:
@@ -63,6 +96,8 @@ def test_run_turns_the_collector_back_on_before_main():
     finally:
         gc.enable()
         gc.unfreeze()
+        processes._FORKABLE.clear()  # run() said so for this test process: its ranks must
+        # still come from a fork server (this process has started OpenMP's threads)
     assert seen["enabled"] and seen["frozen"] > 0, seen
 
 

@@ -278,8 +278,9 @@ def test_a_signal_while_the_ranks_start_is_one_line_and_leaves_nothing(tmp_path,
     """Ctrl-C (SIGINT to the whole terminal group) or SIGTERM (to the launcher alone) while
     the fork server is still importing torch and the lesson: one line, the usual exit code,
     no traceback from the server or a rank forked afterwards, and no process left (the fork
-    server used to outlive the job by 4-11 s, and Ctrl-C printed its KeyboardInterrupt)."""
-    job = Job([PY, "lessons/15_zero_fsdp.py", "--out", tmp_path / "o"], tmp_path, "a",
+    server used to outlive the job by 4-11 s, and Ctrl-C printed its KeyboardInterrupt).
+    Lesson 08's ranks come from a fork server: its process hosts the store, a thread."""
+    job = Job([PY, "lessons/08_no_sync_accumulation.py", "--out", tmp_path / "o"], tmp_path, "a",
               forked=False)  # a new Python: its fork server imports torch for a while
     cleanup.append(job)
     deadline = time.monotonic() + 60

@@ -126,20 +126,6 @@ def max_diff(a: dict, b: dict) -> float:
 
 GROUP_TIMEOUT_S = 20   # every collective and point-to-point message gives up after this
 WORLD_TIMEOUT_S = 120  # a whole run of ranks, start-up included (torch imports take a while)
-_ANSWER_THREADS: list = []  # in the answer's process: its threads once the imports were done
-
-
-def _fork_here() -> bool:
-    """Whether ranks may be forked from this process itself (run_ranks' fork_here): only in
-    the answer's process, while it has no thread besides those it had once torch and the
-    check were imported (Linux: /proc/self/task). So no OpenMP thread exists yet, which a fork
-    would break, and no fork server is started (it imports torch again: about 2.5 s of CPU
-    per check). A learner's file that computes as it is imported may start OpenMP's threads:
-    then a fork server, as the lessons use."""
-    try:
-        return bool(_ANSWER_THREADS) and len(os.listdir("/proc/self/task")) <= _ANSWER_THREADS[0]
-    except OSError:
-        return False
 
 
 def run_world(world: int, target, args: tuple, learner: Path) -> list:
@@ -152,7 +138,7 @@ def run_world(world: int, target, args: tuple, learner: Path) -> list:
 
     try:
         results = run_ranks(target, world, args, timeout_s=WORLD_TIMEOUT_S,
-                            group_timeout_s=GROUP_TIMEOUT_S, fork_here=_fork_here())
+                            group_timeout_s=GROUP_TIMEOUT_S)
     except RankFailed as failed:
         if failed.kind == "timeout":
             raise NotYet(f"the {world} ranks did not finish within {WORLD_TIMEOUT_S}s: "
@@ -440,7 +426,7 @@ def _answer(folder: Path) -> None:
     gc.disable()  # while torch and the check import (a third of the time: common/fork_server_start.py)
     import torch
 
-    from common.processes import set_parent_death_signal
+    from common.processes import forkable_from_here, set_parent_death_signal
 
     if hasattr(os, "setsid"):  # a session of our own: the keeper ends its process group where /proc is missing
         with contextlib.suppress(OSError):
@@ -452,8 +438,7 @@ def _answer(folder: Path) -> None:
     probe = getattr(__import__(spec["check"]), spec["probe"])  # before the learner's code runs
     gc.freeze()  # what was imported: never walked again; the learner's code runs with the default
     gc.enable()
-    with contextlib.suppress(OSError):  # no /proc (not Linux): ranks from a fork server
-        _ANSWER_THREADS.append(len(os.listdir("/proc/self/task")))
+    forkable_from_here()  # its ranks are forked from it while it starts no thread (start_ranks)
     (folder / "ready").touch()  # the keeper's clock for the import starts now
     try:
         try:
