@@ -301,7 +301,15 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
         dist.destroy_process_group()
 
 
-_FORKABLE: list = []  # this process's thread count when it said its ranks may be forked from it
+_FORKABLE: list = []  # [threads, variables read at start-up] when this process said it may fork
+# Variables that Python reads as it starts, or torch as it is imported: a rank forked from this
+# process keeps what they were then (lesson 12's TORCH_DISTRIBUTED_DEBUG=DETAIL, set for its
+# ranks, did nothing in ranks forked from it), so a change sends the ranks to a fork server.
+_READ_AT_START = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP", "CUDA", "NCCL", "GLOO")
+
+
+def _read_at_start() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_START)}
 
 
 def forkable_from_here() -> None:
@@ -309,20 +317,20 @@ def forkable_from_here() -> None:
     for as long as it starts no thread: a lesson's own process (common.cli.run, before main())
     and an exercise check's answer say so. Linux only (it counts /proc/self/task)."""
     with contextlib.suppress(OSError):
-        _FORKABLE[:] = [len(os.listdir("/proc/self/task"))]
+        _FORKABLE[:] = [len(os.listdir("/proc/self/task")), _read_at_start()]
 
 
 def _may_fork_here() -> bool:
     """True while this process has said forkable_from_here() and has started no thread since,
-    and has not initialized CUDA. A thread more may be one of OpenMP's: GNU OpenMP's threads do
-    not survive a fork, and the child's first parallel operation then waits forever (measured
-    with torch 2.14.1: a 2-thread matmul, a fork, an exp() in the child); a CUDA context does
-    not survive one either."""
+    not initialized CUDA, and not changed a variable of _READ_AT_START. A thread more may be one
+    of OpenMP's: GNU OpenMP's threads do not survive a fork, and the child's first parallel
+    operation then waits forever (measured with torch 2.14.1: a 2-thread matmul, a fork, an
+    exp() in the child); a CUDA context does not survive one either."""
     torch = sys.modules.get("torch")
     if not _FORKABLE or (torch is not None and torch.cuda.is_initialized()):
         return False
     try:
-        return len(os.listdir("/proc/self/task")) <= _FORKABLE[0]
+        return len(os.listdir("/proc/self/task")) <= _FORKABLE[0] and _read_at_start() == _FORKABLE[1]
     except OSError:
         return False
 
@@ -447,7 +455,8 @@ def start_ranks(target, world: int, args: tuple = (), *, timeout_s: float | None
         import importlib
 
         gc.disable()  # as the server does (common/fork_server_start.py, fork_server_exit.py):
-        try:  # no collection during the imports, and what they made is never scanned again
+        try:  # no collection during the imports; what exists now is never scanned again,
+            # here or in a rank (this process's own objects too: a cycle of them stays)
             for name in ["torch._dynamo", *(preload or [])]:
                 importlib.import_module(name)
         finally:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -121,6 +122,13 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x)) if self.head is not None else x
+
+
+# FSDP2 warns when a wrapped module returns a view (torch 2.14.1): an in-place change of that
+# view would skip its pre-backward hook. Transformer's logits are one (nn.Linear on a 3-D input
+# returns a view), and no lesson changes them in place, so that one warning is silenced here,
+# in every process that imports the model: each rank, however it was started.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
 
 def make_model(seed: int = SEED) -> Transformer:

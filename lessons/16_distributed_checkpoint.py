@@ -81,8 +81,7 @@ def main() -> None:
     ui.step(1, "Start the ranks, one device each")
     kind, note = plan_device(args.device, args.world_size)  # as lesson 05: a GPU per rank, or CPUs
     ui.print(note or f"{args.world_size} ranks, one GPU each")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)),
-                      PYTHONWARNINGS="ignore:FSDP2-wrapped module")  # our logits are a view
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
     try:
         spawn(worker, args=(args.world_size, args, kind), nprocs=args.world_size)
     finally:  # a save killed half way: the earlier checkpoint in place, no temporary folder left

@@ -82,8 +82,7 @@ def main() -> None:
         return finish(ui, args, folder, fake, plan, worst)
     ui.pause(next_step=(7, "Run the same code on real gloo ranks, compare, save the results"))
     dist.destroy_process_group()  # the fake group: the real ranks start their own
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)),
-                      PYTHONWARNINGS="ignore:FSDP2-wrapped module")  # our logits are a view
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
     spawn(real_rank, args=(args.world_size, args, folder, (fake, plan, worst)), nprocs=args.world_size)
 
 

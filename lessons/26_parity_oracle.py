@@ -63,8 +63,7 @@ def parse_args():
 def main() -> None:
     args = parse_args()
     claim_out(out_dir("26", args.out))  # checked now, not after training; ours alone
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)),
-                      PYTHONWARNINGS="ignore:FSDP2-wrapped module")  # our logits are a view, as in lesson 15
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
     spawn(worker, (args.world_size, args, *plan_device(args.device, args.world_size)), args.world_size)
 
 

@@ -101,8 +101,7 @@ def main() -> None:
             args.compile = "aot_eager"
         else:
             ui.print(f"inductor's C++ compiler: {compiler}")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)),
-                      PYTHONWARNINGS="ignore:FSDP2-wrapped module")  # our logits are a view, as in lesson 15
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(choose_port(args.master_port)))
     spawn(worker, (args.world_size, args, kind, compile_timing.load()), args.world_size)
 
 

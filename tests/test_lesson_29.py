@@ -110,11 +110,11 @@ def test_fsdp_whole_model_skips_its_forward_at_the_hooks(ddp_run):
     assert whole["graphs"] == 1 and len(whole["breaks"]) == 1
     skip = whole["breaks"][0]
     assert (skip["kind"], skip["reason"], skip["then"]) == ("skipped frame", "skipping FSDP hooks", "graph break in loop")
-    assert skip["skipped"] == "forward (transformer.py line 118)"
+    assert skip["skipped"] == "forward (transformer.py line 119)"
     source = Path(T.__file__).read_text().splitlines()
-    assert source[117].strip().startswith("def forward(")  # line 118: Transformer.forward, the frame
-    assert [s for s in source[:117] if s.startswith("class ")][-1].startswith("class Transformer")  # dynamo gave up on
-    assert "dynamo gave up on forward (transformer.py line 118), which runs eagerly" in out
+    assert source[118].strip().startswith("def forward(")  # line 119: Transformer.forward, the frame
+    assert [s for s in source[:118] if s.startswith("class ")][-1].startswith("class Transformer")  # dynamo gave up on
+    assert "dynamo gave up on forward (transformer.py line 119), which runs eagerly" in out
     assert "not run here" in out  # SimpleFSDP
 
 
@@ -131,7 +131,7 @@ def test_without_a_cxx_compiler_it_says_so_and_uses_aot_eager(tmp_path, monkeypa
     import tempfile
 
     module = import_lesson("29")
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "MASTER_ADDR", "MASTER_PORT", "PYTHONWARNINGS"):
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(name, os.environ.get(name, ""))  # main() sets them; restored after
     monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "/nonexistent/g++"))
@@ -208,11 +208,11 @@ def test_graph_inputs_and_breaks_are_named():
                "'reason': ConstantVariable(str: 'skipping FSDP hooks')}`")
     counters = {"graph_break": Counter(), "unimplemented": Counter({
         message: 1, message + "\n\n*** While handling this graph break, another graph break occurred: ***\n\n"
-        "graph break in loop\n  Developer debug context: frame skipped: forward (/x/common/transformer.py line 118)": 1})}
+        "graph break in loop\n  Developer debug context: frame skipped: forward (/x/common/transformer.py line 119)": 1})}
     assert graph_census.named_breaks(counters) == [{
         "kind": "skipped frame", "what": "Call to `torch._dynamo.disable()`", "explanation": "called inside a compiled region.",
         "reason": "skipping FSDP hooks",
-        "then": "graph break in loop", "skipped": "forward (transformer.py line 118)"}]
+        "then": "graph break in loop", "skipped": "forward (transformer.py line 119)"}]
 
 
 def test_graph_breaks_and_recompiles_are_counted_by_dynamo():

@@ -42,34 +42,44 @@ def _collector(rank: int, world: int) -> dict:
     return {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
 
 
-def _parent_after_a_parallel_op(rank: int, world: int) -> int:
+def _parent_after_a_parallel_op(rank: int, world: int) -> list:
     torch.set_num_threads(2)
     torch.ones(1 << 22).exp().sum()  # on 2 OpenMP threads
-    return os.getppid()
+    return [os.getppid(), str(dist.get_debug_level())]
 
 
 def test_ranks_are_forked_from_a_process_that_said_so_until_it_starts_a_thread():
     """forkable_from_here(), said once the imports are done (common.cli.run before a lesson's
     main(), an exercise check's answer): the ranks are forked from that process itself, no
-    fork server. After a thread more (here OpenMP's, started by a 2-thread operation; in
-    lesson 08, the store the parent hosts) they come from a fork server, and still compute on
-    2 threads: forked from that process, a rank's first parallel operation waited forever."""
+    fork server. Not while a variable torch reads as it is imported differs (a forked rank
+    keeps the value torch was imported with: lesson 12's TORCH_DISTRIBUTED_DEBUG=DETAIL did
+    nothing there), and not after a thread more (here OpenMP's, started by a 2-thread
+    operation; in lesson 08, the store the parent hosts): then from a fork server, where the
+    ranks still compute on 2 threads (forked from that process, their first parallel
+    operation waited forever)."""
     code = ("import json, os, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
             "import torch\n"
             "from common.distributed import run_ranks\n"
             "from common.processes import forkable_from_here\n"
             "from test_ranks import _parent_after_a_parallel_op as op\n"
             "forkable_from_here()\n"
-            "first = run_ranks(op, 2, timeout_s=60)\n"
+            "seen = [run_ranks(op, 2, timeout_s=60)]\n"
+            "os.environ['TORCH_DISTRIBUTED_DEBUG'] = 'DETAIL'\n"
+            "seen.append(run_ranks(op, 2, timeout_s=60))\n"
+            "del os.environ['TORCH_DISTRIBUTED_DEBUG']\n"
+            "seen.append(run_ranks(op, 2, timeout_s=60))\n"
             "torch.set_num_threads(2)\n"
             "torch.ones(1 << 22).exp().sum()  # OpenMP's threads start here\n"
-            "print(json.dumps([os.getpid(), first, run_ranks(op, 2, timeout_s=60)]))\n")
+            "seen.append(run_ranks(op, 2, timeout_s=60))\n"
+            "print(json.dumps([os.getpid(), seen]))\n")
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT), str(ROOT / "tests")], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    pid, first, second = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert first == [pid] * 2, proc.stdout  # forked from the process itself
-    assert pid not in second, proc.stdout   # from a fork server
+    pid, seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    forked, debug, again, openmp = [[(parent == pid, level) for parent, level in run] for run in seen]
+    assert forked == again == [(True, "DebugLevel.OFF")] * 2, seen  # from the process itself
+    assert debug == [(False, "DebugLevel.DETAIL")] * 2, seen  # from a fork server, DETAIL on
+    assert [itself for itself, _ in openmp] == [False] * 2, seen  # that server again
 
 
 def test_ranks_collect_garbage_but_not_what_the_fork_server_imported():

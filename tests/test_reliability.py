@@ -340,13 +340,15 @@ def test_lesson_18_leaves_nothing_in_tmpdir(tmp_path):
 
 
 def _ranks_of(job: "Job") -> list[int]:
-    """The job's ranks: the children of its fork server, in its session."""
+    """The job's ranks, in its session: the children of its fork server, or of the job's own
+    process with its command line (forked from it: common/processes.py's start_ranks)."""
     def parent(pid):
         text = Path(f"/proc/{pid}/stat").read_text()
         return int(text[text.rindex(")") + 2:].split()[1])
     mine = session_pids(job.proc.pid)
     servers = {p for p in mine if "forkserver" in cmdline(p)}
-    return sorted(p for p in mine if parent(p) in servers)
+    forked = {p for p in mine if parent(p) == job.proc.pid and cmdline(p) == cmdline(job.proc.pid)}
+    return sorted(p for p in mine if parent(p) in servers) or sorted(forked)
 
 
 @pytest.mark.parametrize("lesson, training", [("21_context_parallel", "Step 6: Train"),
@@ -356,7 +358,7 @@ def test_a_stopped_rank_is_named_not_the_one_that_waited(tmp_path, cleanup, less
     ("rank 0 failed with ... Timed out"). start_ranks looks for a stopped rank when another
     gives up, and names it, with its pid; nothing is left running."""
     job = Job([PY, f"lessons/{lesson}.py", "--steps", "100000", "--timeout", "5", "--out", tmp_path / "o"],
-              tmp_path, "a", forked=False)  # a new Python: its ranks are its fork server's children
+              tmp_path, "a", forked=False)  # a new Python: its ranks are its own children
     cleanup.append(job)
     job.wait_for(training, timeout=180)
     ranks = _ranks_of(job)
@@ -396,22 +398,26 @@ def test_make_killed_with_sigkill_takes_the_whole_job(tmp_path, cleanup):
     assert sorted(p.name for p in out.iterdir()) == before and not (out / "final.pt").exists()
 
 
-def test_a_killed_job_takes_its_ranks_at_once_and_leaves_no_temporary_file(cleanup):
-    """SIGKILL of a lesson whose ranks came from the fork server (common/processes.py): the
-    ranks go at once, and $TMPDIR is left as it was. The server, left alone, used to tear torch
-    down for 5-30 s while the ranks trained on; the job's pymp-* folder stayed behind, and
-    the resource tracker printed "leaked semaphore objects" after the shell's prompt."""
+@pytest.mark.parametrize("lesson, flags, training, server", [
+    ("16_distributed_checkpoint", ["--steps", "400"], "Step 4: Train", False),  # forked from the job
+    ("08_no_sync_accumulation", ["--epochs", "400"], "Step 5: Accumulate", True)])  # its store: a thread
+def test_a_killed_job_takes_its_ranks_at_once_and_leaves_no_temporary_file(cleanup, lesson, flags,
+                                                                            training, server):
+    """SIGKILL of a lesson whose ranks were forked from it, or came from the fork server
+    (common/processes.py): the ranks go at once, and $TMPDIR is left as it was. The server,
+    left alone, used to tear torch down for 5-30 s while the ranks trained on; the job's pymp-*
+    folder stayed behind, and the resource tracker printed "leaked semaphore objects" after the
+    shell's prompt."""
     # a short $TMPDIR: under a deep one (pytest's own folders on CI) the job puts its socket's
     # folder in /tmp instead (a Unix socket's path has at most 107 bytes: common/processes.py)
     tmp = Path(tempfile.mkdtemp(prefix="kill-", dir="/tmp"))
     try:
         out = tmp.with_name(tmp.name + "-out")  # the job's output and logs, beside
         out.mkdir()
-        job = Job([PY, "lessons/16_distributed_checkpoint.py", "--steps", "400", "--out", out / "o"],
-                  out, "a", env={"TMPDIR": str(tmp)})
+        job = Job([PY, f"lessons/{lesson}.py", *flags, "--out", out / "o"], out, "a", env={"TMPDIR": str(tmp)})
         cleanup.append(job)
-        job.wait_for("Step 4: Train", timeout=120)
-        assert any(p.name.startswith("pymp-") for p in tmp.iterdir())  # the server's socket
+        job.wait_for(training, timeout=120)
+        assert any(p.name.startswith("pymp-") for p in tmp.iterdir()) == server  # the server's socket
         os.kill(job.proc.pid, signal.SIGKILL)
         job.wait(10)
         deadline = time.monotonic() + 5

@@ -61,7 +61,7 @@ def named_breaks(counters) -> list[dict]:
 
 def described(b: dict) -> str:
     """A break in one line: 'Call to `torch._dynamo.disable()` (reason 'skipping FSDP hooks'),
-    then 'graph break in loop': dynamo gave up on forward (transformer.py line 118)'."""
+    then 'graph break in loop': dynamo gave up on forward (transformer.py line 119)'."""
     return (f"{b['what']}" + (f" (reason {b['reason']!r})" if b["reason"] else f": {b['explanation']}")
             + (f", then {b['then']!r}: dynamo gave up on {b['skipped']}, which runs eagerly" if b["skipped"] else ""))
 
