@@ -320,14 +320,18 @@ def forkable_from_here() -> None:
         _FORKABLE[:] = [len(os.listdir("/proc/self/task")), _read_at_start()]
 
 
+_GPU_DRIVERS = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's, AMD's (ROCm)
+
+
 def _may_fork_here() -> bool:
     """True while this process has said forkable_from_here() and has started no thread since,
-    not initialized CUDA, and not changed a variable of _READ_AT_START. A thread more may be one
-    of OpenMP's: GNU OpenMP's threads do not survive a fork, and the child's first parallel
-    operation then waits forever (measured with torch 2.14.1: a 2-thread matmul, a fork, an
-    exp() in the child); a CUDA context does not survive one either."""
-    torch = sys.modules.get("torch")
-    if not _FORKABLE or (torch is not None and torch.cuda.is_initialized()):
+    and not changed a variable of _READ_AT_START; never on a machine with a GPU driver. A thread
+    more may be one of OpenMP's: GNU OpenMP's threads do not survive a fork, and the child's
+    first parallel operation then waits forever (measured with torch 2.14.1: a 2-thread matmul,
+    a fork, an exp() in the child). CUDA does not survive a fork either, and merely asking
+    torch.cuda.is_available() (lesson 05's plan_device does) "poisons fork" (its docstring,
+    torch 2.14.1): with a GPU, the ranks come from the fork server, as they always did."""
+    if not _FORKABLE or any(os.path.exists(driver) for driver in _GPU_DRIVERS):
         return False
     try:
         return len(os.listdir("/proc/self/task")) <= _FORKABLE[0] and _read_at_start() == _FORKABLE[1]

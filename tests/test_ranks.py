@@ -82,6 +82,18 @@ def test_ranks_are_forked_from_a_process_that_said_so_until_it_starts_a_thread()
     assert [itself for itself, _ in openmp] == [False] * 2, seen  # that server again
 
 
+def test_a_machine_with_a_gpu_driver_keeps_the_fork_server(monkeypatch):
+    """CUDA does not survive a fork, and torch.cuda.is_available() alone "poisons fork": where a
+    GPU driver is (NVIDIA's /dev/nvidiactl, AMD's /dev/kfd), the ranks come from the server."""
+    from common import processes
+
+    monkeypatch.setattr(processes, "_FORKABLE", [1 << 20, processes._read_at_start()])
+    monkeypatch.setattr(processes, "_GPU_DRIVERS", (str(ROOT / "no such driver"),))
+    assert processes._may_fork_here()  # this test process, as if it had said so
+    monkeypatch.setattr(processes, "_GPU_DRIVERS", (str(ROOT),))  # a path that exists
+    assert not processes._may_fork_here()
+
+
 def test_ranks_collect_garbage_but_not_what_the_fork_server_imported():
     """The fork server imports torch with the garbage collector off (common/fork_server_start.py,
     a third of its start-up) and freezes what it imported (common/fork_server_exit.py): every
