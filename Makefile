@@ -38,7 +38,7 @@ help:
 		"make check-NN [FILE=path]" "check an answer to lesson NN's exercise (make checks lists them)" \
 		"make diff TO=NN [FROM=NN]" "what lesson NN adds to its parent (or to lesson FROM)" \
 		"make read" "the lessons as a website, each step's doc beside its code (runs/read/)" \
-		"make test" "run the test suite (pytest, CPU only, about 14 minutes on 2 cores)" \
+		"make test" "run the test suite (pytest, CPU only, about 10-11 minutes on 2 cores)" \
 		"make bench" "measured speedups and costs (2-3 minutes on 2 cores; writes runs/bench/)" \
 		"make bench-docs" "maintainers: make bench, then rewrite docs/PERFORMANCE.md (en, zh) and its plots" \
 		"make lesson-costs" "maintainers: measure every lesson's cost, rewrite docs/TEACHING.md's table (half an hour or more)" \
