@@ -302,14 +302,16 @@ def _rank_main(rank: int, world: int, environ: dict, target, args: tuple,
 
 
 _FORKABLE: list = []  # [threads, variables read at start-up] when this process said it may fork
-# Variables that Python reads as it starts, or torch as it is imported: a rank forked from this
-# process keeps what they were then (lesson 12's TORCH_DISTRIBUTED_DEBUG=DETAIL, set for its
-# ranks, did nothing in ranks forked from it), so a change sends the ranks to a fork server.
-_READ_AT_START = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP", "CUDA", "NCCL", "GLOO")
+# Variables that a process reads as it starts (Python, the loader, malloc), or torch as it is
+# imported: a rank forked from this process keeps what they were then (lesson 12's
+# TORCH_DISTRIBUTED_DEBUG=DETAIL, set for its ranks, did nothing in ranks forked from it), so a
+# change sends the ranks to a fork server. tests/zygote.py forks commands by the same list.
+READ_AT_START = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP", "CUDA", "NCCL", "LD_",
+                 "MALLOC")
 
 
 def _read_at_start() -> dict:
-    return {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_START)}
+    return {k: v for k, v in os.environ.items() if k.startswith(READ_AT_START)}
 
 
 def forkable_from_here() -> None:
@@ -325,7 +327,7 @@ _GPU_DRIVERS = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's, AMD's (ROCm)
 
 def _may_fork_here() -> bool:
     """True while this process has said forkable_from_here() and has started no thread since,
-    and not changed a variable of _READ_AT_START; never on a machine with a GPU driver. A thread
+    and not changed a variable of READ_AT_START; never on a machine with a GPU driver. A thread
     more may be one of OpenMP's: GNU OpenMP's threads do not survive a fork, and the child's
     first parallel operation then waits forever (measured with torch 2.14.1: a 2-thread matmul,
     a fork, an exp() in the child). CUDA does not survive a fork either, and merely asking

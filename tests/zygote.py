@@ -14,7 +14,7 @@ How a forked command differs from a new Python, so that no test depends on it:
   a new Python draws its own).
 * torch, torch.distributed, torch._dynamo and rich are imported already, and were imported
   with the zygote's environment. A command whose environment differs where Python or torch
-  read it while starting (PYTHON*, TORCH*, OMP_*, CUDA*, NCCL*, LD_* ...: IMPORT_TIME) runs as
+  read it while starting (PYTHON*, TORCH*, OMP_*, CUDA*, NCCL*, LD_* ...: READ_AT_START) runs as
   a new Python instead (`usable` says which).
 * It pays no start-up time: a timeout too tight for a laptop cannot show here. That is one
   reason every lesson also runs through `make`, in a new Python, in its own test.
@@ -35,17 +35,19 @@ import sys
 import tempfile
 import threading
 
-# read while Python starts or torch is imported: a command that sets one of these differently
-# from the zygote runs in a new Python
-IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "GOMP", "CUDA", "NCCL", "LD_",
-               "MALLOC")
 UNBUFFERED = "PYTHONUNBUFFERED"  # the one that may differ: set up again in the child
 
 
 def import_time_changes(env: dict, started_with: dict) -> set[str]:
-    """The variables of IMPORT_TIME whose value in `env` differs from `started_with`'s."""
+    """The variables read while Python starts or torch is imported (common.processes'
+    READ_AT_START, the list start_ranks forks ranks by) whose value in `env` differs from
+    `started_with`'s: a command that sets one of them differently runs in a new Python.
+    Called in the test process only: the zygote itself imports nothing of the package, so a
+    forked command imports it as a new Python would."""
+    from common.processes import READ_AT_START
+
     return {k for k in env.keys() | started_with.keys()
-            if k.startswith(IMPORT_TIME) and k != UNBUFFERED and env.get(k) != started_with.get(k)}
+            if k.startswith(READ_AT_START) and k != UNBUFFERED and env.get(k) != started_with.get(k)}
 
 
 # --- the zygote (this file run as a script) ----------------------------------------------
